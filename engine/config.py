@@ -1,0 +1,303 @@
+"""Configuration: Dassl's yacs key tree and defaults, plus this project's keys.
+
+Every key is declared once below with a comment. Trainers add their own ``TRAINER.<NAME>``
+node through an ``add_config(cfg)`` function next to the trainer (see ``trainers/coop.py``).
+
+Merging is strict: an unknown key or a value of the wrong type raises :class:`ConfigError`
+naming the key, the value, where it came from and the fix (the closest known key, the
+expected type). Integers are accepted for float keys and lists for tuple keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+
+import yaml
+from yacs.config import CfgNode as CN
+
+
+class ConfigError(ValueError):
+    """A configuration problem (unknown key, wrong type, invalid value)."""
+
+
+_C = CN()
+_C.VERSION = 1  # config format version (Dassl compatibility)
+_C.OUTPUT_DIR = "./output"  # run folder: log.txt, config.yaml, checkpoints, tensorboard/
+_C.RESUME = ""  # folder to resume from; empty means OUTPUT_DIR (re-running a run resumes it)
+_C.SEED = -1  # random seed for random/numpy/torch; any value >= 0 (0 included) fixes it
+_C.USE_CUDA = True  # use the GPU when one is available
+_C.VERBOSE = True  # print the dataset summary table and other details
+
+###########################
+# Input
+###########################
+_C.INPUT = CN()
+_C.INPUT.SIZE = (224, 224)  # (height, width) of network inputs
+_C.INPUT.INTERPOLATION = "bilinear"  # resize interpolation: bilinear | bicubic | nearest
+_C.INPUT.TRANSFORMS = ()  # train transform names, e.g. (random_resized_crop, random_flip, normalize)
+_C.INPUT.NO_TRANSFORM = False  # if True, images are only resized/converted (no augmentation)
+_C.INPUT.PIXEL_MEAN = [0.485, 0.456, 0.406]  # per-channel mean for "normalize"
+_C.INPUT.PIXEL_STD = [0.229, 0.224, 0.225]  # per-channel std for "normalize"
+_C.INPUT.CROP_PADDING = 4  # zero padding (pixels) before "random_crop"
+_C.INPUT.RRCROP_SCALE = (0.08, 1.0)  # area range of "random_resized_crop"
+_C.INPUT.CUTOUT_N = 1  # number of "cutout" holes
+_C.INPUT.CUTOUT_LEN = 16  # side (pixels) of each cutout hole
+_C.INPUT.GN_MEAN = 0.0  # "gaussian_noise" mean
+_C.INPUT.GN_STD = 0.15  # "gaussian_noise" standard deviation
+_C.INPUT.RANDAUGMENT_N = 2  # "randaugment": number of operations
+_C.INPUT.RANDAUGMENT_M = 10  # "randaugment": magnitude (0-30)
+_C.INPUT.COLORJITTER_B = 0.4  # "colorjitter" brightness
+_C.INPUT.COLORJITTER_C = 0.4  # "colorjitter" contrast
+_C.INPUT.COLORJITTER_S = 0.4  # "colorjitter" saturation
+_C.INPUT.COLORJITTER_H = 0.1  # "colorjitter" hue
+_C.INPUT.RGS_P = 0.2  # "random_gray_scale" probability
+_C.INPUT.GB_P = 0.5  # "gaussian_blur" probability
+_C.INPUT.GB_K = 21  # "gaussian_blur" kernel size
+
+###########################
+# Dataset
+###########################
+_C.DATASET = CN()
+_C.DATASET.ROOT = ""  # folder that holds one sub-folder per dataset (CoOp layout)
+_C.DATASET.NAME = ""  # registered dataset name, e.g. DescribableTextures
+_C.DATASET.SOURCE_DOMAINS = ()  # domain-generalisation sources (unused by prompt learners)
+_C.DATASET.TARGET_DOMAINS = ()  # domain-generalisation targets (unused by prompt learners)
+_C.DATASET.NUM_LABELED = -1  # semi-supervised: number of labelled images (-1: all)
+_C.DATASET.NUM_SHOTS = -1  # few-shot: images per class for train (val gets min(shots, 4)); -1: all
+_C.DATASET.VAL_PERCENT = 0.1  # fraction of train used as val by datasets that need it
+_C.DATASET.SUBSAMPLE_CLASSES = "all"  # base-to-new: all | base (first ceil(n/2)) | new (the rest)
+
+###########################
+# Dataloader
+###########################
+_C.DATALOADER = CN()
+_C.DATALOADER.NUM_WORKERS = 4  # worker processes per loader (0: load in the main process)
+_C.DATALOADER.K_TRANSFORMS = 1  # number of augmented views returned per training image
+_C.DATALOADER.RETURN_IMG0 = False  # also return the un-augmented image as "img0"
+_C.DATALOADER.TRAIN_X = CN()
+_C.DATALOADER.TRAIN_X.SAMPLER = "RandomSampler"  # RandomSampler | SequentialSampler
+_C.DATALOADER.TRAIN_X.BATCH_SIZE = 32  # training batch size
+_C.DATALOADER.TEST = CN()
+_C.DATALOADER.TEST.SAMPLER = "SequentialSampler"  # sampler of val/test loaders
+_C.DATALOADER.TEST.BATCH_SIZE = 32  # evaluation batch size
+
+###########################
+# Model
+###########################
+_C.MODEL = CN()
+_C.MODEL.INIT_WEIGHTS = ""  # optional checkpoint to initialise the learnable modules from
+_C.MODEL.BACKBONE = CN()
+_C.MODEL.BACKBONE.NAME = ""  # CLIP architecture: CoOp names (ViT-B/16, RN50, ...) or open_clip
+_C.MODEL.BACKBONE.PRETRAINED = True  # False: random weights (tests and debugging only)
+# CLIP weights file: OpenAI checkpoint (TorchScript or state dict) or open_clip checkpoint. Empty:
+# ~/.cache/clip/<name>.pt, then open_clip's local cache. Nothing is ever downloaded.
+_C.MODEL.BACKBONE.PATH = ""
+_C.MODEL.BACKBONE.CONFIG = ""  # path to an open_clip model-config JSON (custom/tiny architectures)
+_C.MODEL.HEAD = CN()
+_C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
+_C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility
+_C.MODEL.HEAD.ACTIVATION = "relu"  # Dassl compatibility
+_C.MODEL.HEAD.BN = True  # Dassl compatibility
+_C.MODEL.HEAD.DROPOUT = 0.0  # Dassl compatibility
+
+###########################
+# Optimization
+###########################
+_C.OPTIM = CN()
+_C.OPTIM.NAME = "adam"  # base optimizer: sgd | adam | adamw | amsgrad | rmsprop | radam
+_C.OPTIM.LR = 0.0003  # base learning rate
+_C.OPTIM.WEIGHT_DECAY = 5e-4  # L2 weight decay (part of the base optimizer's step)
+_C.OPTIM.MOMENTUM = 0.9  # SGD momentum
+_C.OPTIM.SGD_DAMPNING = 0  # SGD dampening (Dassl's spelling, kept for config compatibility)
+_C.OPTIM.SGD_NESTEROV = False  # SGD Nesterov momentum
+_C.OPTIM.RMSPROP_ALPHA = 0.99  # RMSprop smoothing constant
+_C.OPTIM.ADAM_BETA1 = 0.9  # Adam beta1
+_C.OPTIM.ADAM_BETA2 = 0.999  # Adam beta2
+_C.OPTIM.ADAM_EPS = 1e-8  # Adam epsilon (TCP uses 1e-3)
+_C.OPTIM.STAGED_LR = False  # different LRs for NEW_LAYERS and the rest
+_C.OPTIM.NEW_LAYERS = ()  # with STAGED_LR: child-module names trained at the full LR
+_C.OPTIM.BASE_LR_MULT = 0.1  # with STAGED_LR: LR multiplier of the other layers
+_C.OPTIM.LR_SCHEDULER = "single_step"  # single_step | multi_step | cosine
+_C.OPTIM.STEPSIZE = (-1,)  # single_step: (step,) ; multi_step: milestones (epochs)
+_C.OPTIM.GAMMA = 0.1  # decay factor of step schedulers
+_C.OPTIM.MAX_EPOCH = 10  # number of training epochs
+_C.OPTIM.WARMUP_EPOCH = -1  # warmup epochs (<= 0: no warmup)
+_C.OPTIM.WARMUP_TYPE = "linear"  # constant | linear
+_C.OPTIM.WARMUP_CONS_LR = 1e-5  # LR during constant warmup
+_C.OPTIM.WARMUP_MIN_LR = 1e-5  # start LR of linear warmup
+_C.OPTIM.WARMUP_RECOUNT = True  # restart the main schedule's epoch count after warmup
+# Sharpness-aware wrapper around the base optimizer (see optim/ and the README's table).
+_C.OPTIM.SAM = CN()
+_C.OPTIM.SAM.NAME = ""  # "" (plain base optimizer) | sam | fsam | sagm | sample
+_C.OPTIM.SAM.VARIANT = "paper"  # paper (equations as written) | reference (released code)
+_C.OPTIM.SAM.RHO = 0.05  # perturbation radius rho
+_C.OPTIM.SAM.ALPHA = 0.0015  # SAGM/SAMPLe step alpha along the (batch-specific) gradient
+_C.OPTIM.SAM.LAMBDA = 0.15  # F-SAM/SAMPLe moving-average factor lambda of the full-gradient EMA
+_C.OPTIM.SAM.SIGMA = 1.0  # F-SAM scale of the removed full-gradient component
+_C.OPTIM.SAM.ADAPTIVE = False  # SAM only: ASAM's scale-invariant perturbation
+_C.OPTIM.SAM.SCHEDULE = "constant"  # rho/alpha schedule: constant | inv_sqrt (paper's theorem)
+# Staged training: epochs before START_EPOCH use the base optimizer on all learnable
+# parameters; from START_EPOCH on, the sharpness-aware optimizer takes over and the parameters
+# whose names match a FREEZE pattern (fnmatch, e.g. "*proj*") stop training.
+_C.OPTIM.SAM.START_EPOCH = 0
+_C.OPTIM.SAM.FREEZE = ()
+
+###########################
+# Train
+###########################
+_C.TRAIN = CN()
+_C.TRAIN.CHECKPOINT_FREQ = 0  # save a checkpoint every N epochs (0: only the last epoch)
+_C.TRAIN.PRINT_FREQ = 10  # print the progress line every N batches
+_C.TRAIN.COUNT_ITER = "train_x"  # Dassl compatibility: which loader defines an epoch
+
+###########################
+# Test
+###########################
+_C.TEST = CN()
+_C.TEST.EVALUATOR = "Classification"  # registered evaluator name
+_C.TEST.PER_CLASS_RESULT = False  # also print per-class accuracies
+_C.TEST.COMPUTE_CMAT = False  # also save the confusion matrix (cmat.pt)
+_C.TEST.NO_TEST = False  # skip the final test after training
+_C.TEST.SPLIT = "test"  # split for the final evaluation: test | val
+_C.TEST.FINAL_MODEL = "last_step"  # model to test after training: last_step | best_val
+
+###########################
+# Trainer
+###########################
+_C.TRAINER = CN()
+_C.TRAINER.NAME = ""  # registered trainer name (set by --trainer)
+
+
+def get_base_cfg_default() -> CN:
+    """Dassl's defaults plus this project's engine keys, without any trainer's node."""
+    return _C.clone()
+
+
+def get_cfg_default() -> CN:
+    """The full default config: engine keys plus every registered trainer's ``TRAINER.<X>`` node.
+
+    Like Dassl's ``get_cfg_default``, but already extended with the trainers' keys so that any
+    trainer config file of this project merges into it.
+    """
+    import trainers  # noqa: F401  (registers the trainers)
+
+    from .registry import TRAINER_REGISTRY
+
+    cfg = get_base_cfg_default()
+    for name in TRAINER_REGISTRY:
+        TRAINER_REGISTRY.get(name).add_config(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Strict merging
+# ----------------------------------------------------------------------------------------------
+def _all_keys(cfg: CN, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in cfg.items():
+        full = f"{prefix}{k}"
+        keys.append(full)
+        if isinstance(v, CN):
+            keys.extend(_all_keys(v, full + "."))
+    return keys
+
+
+def _unknown_key(cfg: CN, full_key: str, source: str) -> ConfigError:
+    known = _all_keys(cfg)
+    close = difflib.get_close_matches(full_key, known, n=1, cutoff=0.6)
+    hint = f" (do you mean {close[0]}?)" if close else ""
+    node = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+    if node.startswith("TRAINER.") and node not in known:
+        hint += " Trainer keys exist once the trainer is registered; check --trainer."
+    return ConfigError(f"Unknown config key '{full_key}' in {source}{hint}")
+
+
+_TYPE_NAMES = {bool: "a bool", int: "an int", float: "a float", str: "a string"}
+
+
+def _coerce(value, default, full_key: str, source: str):
+    """Return ``value`` converted to the type of ``default``, or raise ConfigError."""
+    if default is None or value is None:
+        return value
+    dtype = type(default)
+    if isinstance(value, str) and dtype is not str:
+        # values from the command line arrive as strings: parse them as Python literals
+        low = value.strip().lower()
+        if dtype is bool and low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                pass
+    if dtype is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if dtype in (tuple, list) and isinstance(value, (tuple, list)):
+        return dtype(value)
+    if dtype in (tuple, list) and isinstance(value, str | int | float):
+        return dtype([value])  # a single value for a sequence key
+    if isinstance(value, dtype) and not (dtype is int and isinstance(value, bool)):
+        return value
+    expected = _TYPE_NAMES.get(dtype, f"a {dtype.__name__}")
+    raise ConfigError(
+        f"Config key {full_key} expects {expected} (default {default!r}), got {value!r} "
+        f"({type(value).__name__}) from {source}"
+    )
+
+
+def _set_key(cfg: CN, full_key: str, value, source: str) -> None:
+    node = cfg
+    parts = full_key.split(".")
+    for part in parts[:-1]:
+        if part not in node or not isinstance(node[part], CN):
+            raise _unknown_key(cfg, full_key, source)
+        node = node[part]
+    leaf = parts[-1]
+    if leaf not in node:
+        raise _unknown_key(cfg, full_key, source)
+    if isinstance(node[leaf], CN):
+        if not isinstance(value, dict):
+            raise ConfigError(f"Config key {full_key} is a group of keys; set its sub-keys")
+        for k, v in value.items():
+            _set_key(cfg, f"{full_key}.{k}", v, source)
+        return
+    node[leaf] = _coerce(value, node[leaf], full_key, source)
+
+
+def merge_from_dict(cfg: CN, values: dict, source: str = "a dict") -> None:
+    """Merge a nested dict into ``cfg`` with the strict checks."""
+    for k, v in values.items():
+        _set_key(cfg, str(k), v, source)
+
+
+def merge_from_file(cfg: CN, path: str) -> None:
+    """Merge a YAML file into ``cfg``; a missing file or bad key/type raises ConfigError."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"Config file not found: {path}")
+    with open(path) as f:
+        try:
+            values = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
+    if not isinstance(values, dict):
+        raise ConfigError(f"Config file {path} must hold a mapping of keys, not {type(values)}")
+    merge_from_dict(cfg, values, source=f"config file {path}")
+
+
+def merge_from_list(cfg: CN, opts: list[str], source: str = "the command line") -> None:
+    """Merge ``[KEY, VALUE, KEY, VALUE, ...]`` (train.py's trailing options) into ``cfg``."""
+    if len(opts) % 2 != 0:
+        raise ConfigError(
+            f"Options from {source} must come in KEY VALUE pairs; got an odd number: {opts}"
+        )
+    for key, value in zip(opts[0::2], opts[1::2]):
+        _set_key(cfg, key, value, source)
+
+
+def dump_cfg(cfg: CN, path: str) -> None:
+    """Write ``cfg`` as YAML to ``path`` atomically."""
+    from .utils import atomic_write_text
+
+    atomic_write_text(path, cfg.dump())

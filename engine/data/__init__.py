@@ -1,0 +1,37 @@
+"""Data model and pipeline: Datum, DatasetBase, split helpers, transforms, DataManager."""
+
+from .base import (
+    DatasetBase,
+    DatasetNotFoundError,
+    Datum,
+    read_and_split_data,
+    read_split,
+    require_dir,
+    require_file,
+    save_split,
+    split_trainval,
+    subsample_classes,
+)
+from .fewshot import load_or_create_fewshot
+from .manager import DataManager, DatasetWrapper, build_data_loader, build_dataset, read_image
+from .transforms import build_transform
+
+__all__ = [
+    "DataManager",
+    "DatasetBase",
+    "DatasetNotFoundError",
+    "DatasetWrapper",
+    "Datum",
+    "build_data_loader",
+    "build_dataset",
+    "build_transform",
+    "load_or_create_fewshot",
+    "read_and_split_data",
+    "read_image",
+    "read_split",
+    "require_dir",
+    "require_file",
+    "save_split",
+    "split_trainval",
+    "subsample_classes",
+]

@@ -1,0 +1,265 @@
+"""DataManager, the dataset wrapper and the loaders (Dassl's data pipeline).
+
+Randomness: with ``SEED >= 0`` the training sampler draws its order from (seed, epoch) and every
+training sample is augmented under its own seed derived from (seed, epoch, position). Results
+therefore do not depend on ``DATALOADER.NUM_WORKERS`` or on whether workers persist, and a run
+resumed at an epoch boundary replays exactly the epochs an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from PIL import Image
+from tabulate import tabulate
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from engine.registry import DATASET_REGISTRY
+from engine.utils import epoch_seed
+
+from .transforms import build_transform
+
+logger = logging.getLogger(__name__)
+
+
+def read_image(path: str) -> Image.Image:
+    """Open an image as RGB; a missing or corrupt file raises with its path."""
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"Image file not found: {path}") from e
+    except OSError as e:
+        raise OSError(f"Cannot read image {path}: {e}") from e
+
+
+def build_dataset(cfg):
+    """Build the dataset named ``cfg.DATASET.NAME`` (train_x, val, test, classnames, lab2cname)."""
+    import datasets  # noqa: F401  (registers the readers)
+
+    if not cfg.DATASET.NAME:
+        raise ValueError("DATASET.NAME is empty: pass --dataset-config-file or DATASET.NAME <name>")
+    logger.info("Loading dataset: %s", cfg.DATASET.NAME)
+    return DATASET_REGISTRY.get(cfg.DATASET.NAME)(cfg)
+
+
+class EpochSampler(Sampler):
+    """Yields ``(index, sample_seed)`` pairs: a seeded order per epoch, a seed per sample.
+
+    Args:
+        num_items: dataset length.
+        shuffle: random order (RandomSampler) or sequential.
+        seed: run seed; negative means unseeded (fresh randomness, samples get no seed).
+    """
+
+    def __init__(self, num_items: int, shuffle: bool = True, seed: int = -1):
+        self.num_items = num_items
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    def __iter__(self):
+        if self.seed >= 0:
+            g = torch.Generator()
+            g.manual_seed(epoch_seed(self.seed, self.epoch))
+            order = torch.randperm(self.num_items, generator=g) if self.shuffle else None
+            seeds = torch.randint(0, 2**62, (self.num_items,), generator=g).tolist()
+        else:
+            order = torch.randperm(self.num_items) if self.shuffle else None
+            seeds = [None] * self.num_items
+        indices = order.tolist() if order is not None else range(self.num_items)
+        for pos, idx in enumerate(indices):
+            yield (idx, seeds[pos])
+
+
+class DatasetWrapper(Dataset):
+    """Turns Datum lists into training/test samples (Dassl's item dict).
+
+    Each item is ``{"img", "label", "domain", "impath", "index"}``; with ``K_TRANSFORMS > 1``
+    "img" is a list of augmented views, and ``RETURN_IMG0`` adds the un-augmented "img0".
+    Indices may come as ``(index, seed)`` from :class:`EpochSampler`; the transforms then run
+    under that seed (without disturbing the caller's random state).
+    """
+
+    def __init__(self, cfg, data_source, transform=None, is_train: bool = False, images=None):
+        self.cfg = cfg
+        self.data_source = data_source
+        self.transform = transform
+        self.is_train = is_train
+        self.k_tfm = cfg.DATALOADER.K_TRANSFORMS if is_train else 1
+        self.return_img0 = cfg.DATALOADER.RETURN_IMG0
+        if self.k_tfm > 1 and transform is None:
+            raise ValueError("Cannot augment images K_TRANSFORMS times without a transform")
+        self.images = images  # optional in-memory store of decoded images (see image_cache)
+        self.to_tensor = build_transform(cfg, is_train=False, choices=["normalize"])
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def load(self, idx: int):
+        if self.images is not None:
+            img = self.images.get(idx)
+            if img is not None:
+                return img
+        return read_image(self.data_source[idx].impath)
+
+    def __getitem__(self, key):
+        idx, seed = key if isinstance(key, tuple) else (key, None)
+        item = self.data_source[idx]
+        output = {"label": item.label, "domain": item.domain, "impath": item.impath, "index": idx}
+        img0 = self.load(idx)
+        if seed is None:
+            self._fill(output, img0)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self._fill(output, img0)
+        if self.return_img0:
+            output["img0"] = self.to_tensor(img0)
+        return output
+
+    def _fill(self, output: dict, img0) -> None:
+        if self.transform is None:
+            output["img"] = img0
+            return
+        tfms = self.transform if isinstance(self.transform, (list, tuple)) else [self.transform]
+        for i, tfm in enumerate(tfms):
+            views = [tfm(img0) for _ in range(self.k_tfm)]
+            output["img" if i == 0 else f"img{i + 1}"] = views[0] if len(views) == 1 else views
+
+
+def build_data_loader(
+    cfg,
+    data_source,
+    batch_size: int,
+    tfm,
+    is_train: bool,
+    sampler_type: str = "SequentialSampler",
+    dataset_wrapper=None,
+    images=None,
+):
+    """A DataLoader over ``data_source`` with Dassl's settings.
+
+    Training loaders keep every sample (no drop_last: few-shot sets are small and CoOp's
+    drop_last silently dropped up to a batch of them every epoch).
+    """
+    if sampler_type not in ("RandomSampler", "SequentialSampler"):
+        raise ValueError(
+            f"Unknown sampler '{sampler_type}'; available: RandomSampler, SequentialSampler"
+        )
+    wrapper = (dataset_wrapper or DatasetWrapper)(cfg, data_source, tfm, is_train, images=images)
+    seed = cfg.SEED if is_train else -1
+    sampler = EpochSampler(len(data_source), shuffle=sampler_type == "RandomSampler", seed=seed)
+    num_workers = cfg.DATALOADER.NUM_WORKERS
+    return DataLoader(
+        wrapper,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        drop_last=False,
+        pin_memory=torch.cuda.is_available() and cfg.USE_CUDA,
+        persistent_workers=num_workers > 0 and is_train,
+    )
+
+
+class DataManager:
+    """Builds the dataset and its loaders: ``train_loader_x``, ``val_loader``, ``test_loader``.
+
+    Args:
+        cfg: the config.
+        custom_tfm_train, custom_tfm_test: transforms replacing the ones built from the config.
+        dataset_wrapper: a DatasetWrapper subclass.
+        dataset: an already built dataset (skips ``build_dataset``).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        custom_tfm_train=None,
+        custom_tfm_test=None,
+        dataset_wrapper=None,
+        dataset=None,
+    ):
+        self.cfg = cfg
+        dataset = dataset if dataset is not None else build_dataset(cfg)
+        if not dataset.train_x and not dataset.test:
+            raise ValueError(f"Dataset {cfg.DATASET.NAME} has no images")
+        tfm_train = custom_tfm_train or build_transform(cfg, is_train=True)
+        tfm_test = custom_tfm_test or build_transform(cfg, is_train=False)
+        self.tfm_train, self.tfm_test = tfm_train, tfm_test
+
+        images = None
+        if dataset.train_x and getattr(cfg.DATALOADER, "CACHE_DECODED", False):
+            from .image_cache import DecodedImageCache
+
+            images = DecodedImageCache.build(cfg, dataset.train_x)
+
+        self.train_loader_x = None
+        if dataset.train_x:
+            self.train_loader_x = build_data_loader(
+                cfg,
+                dataset.train_x,
+                cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+                tfm_train,
+                is_train=True,
+                sampler_type=cfg.DATALOADER.TRAIN_X.SAMPLER,
+                dataset_wrapper=dataset_wrapper,
+                images=images,
+            )
+        self.val_loader = None
+        if dataset.val:
+            self.val_loader = build_data_loader(
+                cfg,
+                dataset.val,
+                cfg.DATALOADER.TEST.BATCH_SIZE,
+                tfm_test,
+                is_train=False,
+                sampler_type=cfg.DATALOADER.TEST.SAMPLER,
+                dataset_wrapper=dataset_wrapper,
+            )
+        self.test_loader = build_data_loader(
+            cfg,
+            dataset.test,
+            cfg.DATALOADER.TEST.BATCH_SIZE,
+            tfm_test,
+            is_train=False,
+            sampler_type=cfg.DATALOADER.TEST.SAMPLER,
+            dataset_wrapper=dataset_wrapper,
+        )
+        self._num_classes = dataset.num_classes
+        self._num_source_domains = max(len(cfg.DATASET.SOURCE_DOMAINS), 1)
+        self._lab2cname = dataset.lab2cname
+        self.dataset = dataset
+        if cfg.VERBOSE:
+            self.show_dataset_summary()
+
+    @property
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    @property
+    def num_source_domains(self) -> int:
+        return self._num_source_domains
+
+    @property
+    def lab2cname(self) -> dict[int, str]:
+        return self._lab2cname
+
+    def show_dataset_summary(self) -> None:
+        dataset = self.dataset
+        table = [["Dataset", self.cfg.DATASET.NAME]]
+        if self.cfg.DATASET.SUBSAMPLE_CLASSES != "all":
+            table.append(["Classes", self.cfg.DATASET.SUBSAMPLE_CLASSES])
+        table.append(["# classes", f"{self.num_classes:,}"])
+        table.append(["# train_x", f"{len(dataset.train_x or []):,}"])
+        if dataset.val:
+            table.append(["# val", f"{len(dataset.val):,}"])
+        table.append(["# test", f"{len(dataset.test or []):,}"])
+        logger.info(tabulate(table))

@@ -1,0 +1,251 @@
+"""Small utilities shared by the engine: files, seeding, meters, logging, accuracy."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import os.path as osp
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("engine")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------------
+def mkdir_if_missing(dirname: str) -> None:
+    if dirname:
+        os.makedirs(dirname, exist_ok=True)
+
+
+def check_isfile(fpath: str) -> bool:
+    isfile = osp.isfile(fpath)
+    if not isfile:
+        logger.warning('No file found at "%s"', fpath)
+    return isfile
+
+
+def _atomic_write(path: str, write_fn, mode: str) -> None:
+    """Write through a temporary file in the same folder, then rename over ``path``."""
+    directory = osp.dirname(osp.abspath(path))
+    mkdir_if_missing(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{osp.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, mode) as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if osp.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    _atomic_write(path, lambda f: f.write(text), "w")
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    """``torch.save`` that never leaves a half-written file behind."""
+    _atomic_write(path, lambda f: torch.save(obj, f), "wb")
+
+
+def read_json(fpath: str):
+    with open(fpath) as f:
+        return json.load(f)
+
+
+def write_json(obj, fpath: str) -> None:
+    """Write JSON (indent 4, as Dassl) atomically."""
+    atomic_write_text(fpath, json.dumps(obj, indent=4, separators=(",", ": ")))
+
+
+def listdir_nohidden(path: str, sort: bool = False) -> list[str]:
+    items = [f for f in os.listdir(path) if not f.startswith(".")]
+    if sort:
+        items.sort()
+    return items
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeding
+# ----------------------------------------------------------------------------------------------
+def set_random_seed(seed: int) -> None:
+    """Seed Python's ``random``, NumPy and torch (CPU and all GPUs)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed used at the start of ``epoch`` so that a resumed run replays the same epoch."""
+    return (seed * 100_003 + epoch * 7_919 + 17) % (2**31 - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Meters
+# ----------------------------------------------------------------------------------------------
+def _as_number(v) -> float:
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().item()
+    return float(v)
+
+
+class AverageMeter:
+    """Running average of a scalar. Values may be 0-d tensors; they are read lazily (at print
+    time), so updating the meter inside the step loop does not synchronise with the GPU."""
+
+    def __init__(self, ema: bool = False):
+        self.ema = ema
+        self.reset()
+
+    def reset(self) -> None:
+        self._pending: list = []
+        self._val = 0.0
+        self._sum = 0.0
+        self._count = 0
+
+    def update(self, val, n: int = 1) -> None:
+        self._pending.append((val, n))
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        tensors = [v for v, _ in self._pending if isinstance(v, torch.Tensor)]
+        if tensors:  # one host transfer for everything pending
+            values = iter(torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist())
+        for v, n in self._pending:
+            v = next(values) if isinstance(v, torch.Tensor) else float(v)
+            self._val = v
+            self._sum += v * n
+            self._count += n
+        self._pending.clear()
+
+    @property
+    def val(self) -> float:
+        self._flush()
+        return self._val
+
+    @property
+    def avg(self) -> float:
+        self._flush()
+        return self._sum / max(self._count, 1)
+
+    @property
+    def count(self) -> int:
+        self._flush()
+        return self._count
+
+
+class MetricMeter:
+    """A dict of AverageMeters, printed as ``name val (avg)``."""
+
+    def __init__(self, delimiter: str = " "):
+        self.meters: dict[str, AverageMeter] = defaultdict(AverageMeter)
+        self.delimiter = delimiter
+
+    def update(self, input_dict: dict) -> None:
+        if input_dict is None:
+            return
+        if not isinstance(input_dict, dict):
+            raise TypeError("Input to MetricMeter.update() must be a dictionary")
+        for k, v in input_dict.items():
+            self.meters[k].update(v)
+
+    def __str__(self) -> str:
+        return self.delimiter.join(
+            f"{name} {meter.val:.4f} ({meter.avg:.4f})" for name, meter in self.meters.items()
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------------
+class _Formatter(logging.Formatter):
+    """Plain messages for INFO (the Dassl look); level names for warnings and errors."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = super().format(record)
+        if record.levelno >= logging.WARNING:
+            msg = f"{record.levelname}: {msg}"
+        return msg
+
+
+def setup_logger(output_dir: str | None = None) -> str | None:
+    """Send the project's log records to stdout and to ``output_dir/log.txt``.
+
+    Uses ``logging`` handlers (sys.stdout is never replaced). As in Dassl, an existing log.txt is
+    kept and the new log gets a ``-YYYY-mm-dd-HH-MM-SS`` suffix. Returns the log file path.
+    """
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        if getattr(h, "_engine_handler", False):
+            root.removeHandler(h)
+            h.close()
+    fmt = _Formatter("%(message)s")
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setFormatter(fmt)
+    stream._engine_handler = True
+    root.addHandler(stream)
+    if not output_dir:
+        return None
+    fpath = output_dir if output_dir.endswith((".txt", ".log")) else osp.join(output_dir, "log.txt")
+    if osp.exists(fpath):
+        fpath += time.strftime("-%Y-%m-%d-%H-%M-%S")
+    mkdir_if_missing(osp.dirname(fpath))
+    fileh = logging.FileHandler(fpath)
+    fileh.setFormatter(fmt)
+    fileh._engine_handler = True
+    root.addHandler(fileh)
+    return fpath
+
+
+def collect_env_info() -> str:
+    import platform
+
+    import torchvision
+
+    lines = [
+        f"Python: {platform.python_version()} ({sys.platform})",
+        f"PyTorch: {torch.__version__}",
+        f"torchvision: {torchvision.__version__}",
+        f"CUDA available: {torch.cuda.is_available()}",
+    ]
+    if torch.cuda.is_available():
+        lines.append(f"GPU: {torch.cuda.get_device_name(0)}")
+    try:
+        import open_clip
+
+        lines.append(f"open_clip: {open_clip.__version__}")
+    except ImportError:  # pragma: no cover
+        pass
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics and model helpers
+# ----------------------------------------------------------------------------------------------
+def compute_accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)):
+    """Top-k accuracies in percent (0-d tensors, no host synchronisation)."""
+    maxk = max(topk)
+    batch_size = target.size(0)
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    _, pred = output.topk(maxk, 1, True, True)
+    correct = pred.t().eq(target.view(1, -1).expand_as(pred.t()))
+    return [correct[:k].reshape(-1).float().sum() * (100.0 / batch_size) for k in topk]
+
+
+def count_num_param(model: torch.nn.Module, trainable: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)

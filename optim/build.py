@@ -1,0 +1,229 @@
+"""The optimizer registry and ``build_optimizer(cfg, params)``.
+
+Registry entries are data (:class:`OptimizerSpec`): name, class, description, kind ("base" or
+"sharpness") and whether ``step`` needs a closure. The engine reads ``needs_closure`` to decide
+how to step; trainers never look at the optimizer.
+
+``OPTIM.NAME`` names the base optimizer (Dassl-compatible: sgd, adam, adamw, amsgrad, rmsprop,
+radam); ``OPTIM.SAM.NAME`` optionally wraps it in a sharpness-aware optimizer (sam, fsam, sagm,
+sample) whose hyper-parameters come from ``OPTIM.SAM.*``.
+
+Adding an optimizer::
+
+    register_optimizer("myopt", MyOpt, "one line on what it does", kind="sharpness",
+                       needs_closure=True, hparams=("RHO",))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_REGISTRY = Registry("optimizer")
+
+# OPTIM.SAM.<KEY> -> constructor keyword of the sharpness-aware classes
+SAM_KEY_TO_KWARG = {
+    "RHO": "rho",
+    "ALPHA": "alpha",
+    "LAMBDA": "lam",
+    "SIGMA": "sigma",
+    "ADAPTIVE": "adaptive",
+    "VARIANT": "variant",
+    "SCHEDULE": "schedule",
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the engine needs to know about a registered optimizer.
+
+    Attributes:
+        name: registry name (the value of OPTIM.NAME or OPTIM.SAM.NAME).
+        cls: the optimizer class.
+        description: one line for listings and the README.
+        kind: "base" (a torch optimizer) or "sharpness" (wraps a base optimizer).
+        needs_closure: ``step`` must be given a closure that re-evaluates the loss.
+        hparams: OPTIM.SAM keys passed to a sharpness-aware constructor.
+        make_kwargs: base optimizers: ``optim_cfg -> constructor kwargs``.
+    """
+
+    name: str
+    cls: type
+    description: str
+    kind: str = "base"
+    needs_closure: bool = False
+    hparams: tuple[str, ...] = ()
+    make_kwargs: Callable | None = field(default=None, compare=False)
+
+
+def register_optimizer(
+    name: str,
+    cls: type,
+    description: str,
+    kind: str = "base",
+    needs_closure: bool = False,
+    hparams: tuple[str, ...] = (),
+    make_kwargs: Callable | None = None,
+) -> OptimizerSpec:
+    if kind not in ("base", "sharpness"):
+        raise ValueError(f"Optimizer kind must be 'base' or 'sharpness', got {kind!r}")
+    for key in hparams:
+        if key not in SAM_KEY_TO_KWARG:
+            raise ValueError(f"Unknown OPTIM.SAM key {key!r} for optimizer {name!r}")
+    spec = OptimizerSpec(name, cls, description, kind, needs_closure, tuple(hparams), make_kwargs)
+    OPTIMIZER_REGISTRY.register(spec, name=name)
+    return spec
+
+
+def _sgd_kwargs(o):
+    return dict(
+        lr=o.LR,
+        momentum=o.MOMENTUM,
+        weight_decay=o.WEIGHT_DECAY,
+        dampening=o.SGD_DAMPNING,
+        nesterov=o.SGD_NESTEROV,
+    )
+
+
+def _adam_kwargs(o):
+    return dict(
+        lr=o.LR, weight_decay=o.WEIGHT_DECAY, betas=(o.ADAM_BETA1, o.ADAM_BETA2), eps=o.ADAM_EPS
+    )
+
+
+register_optimizer("sgd", torch.optim.SGD, "SGD with momentum (Dassl defaults)", make_kwargs=_sgd_kwargs)
+register_optimizer("adam", torch.optim.Adam, "Adam", make_kwargs=_adam_kwargs)
+register_optimizer(
+    "amsgrad",
+    torch.optim.Adam,
+    "Adam with the AMSGrad variant",
+    make_kwargs=lambda o: {**_adam_kwargs(o), "amsgrad": True},
+)
+register_optimizer("adamw", torch.optim.AdamW, "AdamW (decoupled weight decay)", make_kwargs=_adam_kwargs)
+register_optimizer(
+    "rmsprop",
+    torch.optim.RMSprop,
+    "RMSprop",
+    make_kwargs=lambda o: dict(
+        lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY, alpha=o.RMSPROP_ALPHA
+    ),
+)
+register_optimizer(
+    "radam",
+    torch.optim.RAdam,
+    "Rectified Adam",
+    make_kwargs=lambda o: dict(
+        lr=o.LR, weight_decay=o.WEIGHT_DECAY, betas=(o.ADAM_BETA1, o.ADAM_BETA2), eps=o.ADAM_EPS
+    ),
+)
+
+
+def _get(name: str, kind: str, key: str) -> OptimizerSpec:
+    spec = OPTIMIZER_REGISTRY.get(name)
+    if spec.kind != kind:
+        if kind == "base":
+            raise ValueError(
+                f"{key} '{name}' is a sharpness-aware wrapper, not a base optimizer: keep "
+                f"OPTIM.NAME the base optimizer (e.g. sgd) and set OPTIM.SAM.NAME {name}"
+            )
+        raise ValueError(
+            f"{key} '{name}' is a base optimizer; OPTIM.SAM.NAME takes one of "
+            f"{', '.join(n for n in OPTIMIZER_REGISTRY if OPTIMIZER_REGISTRY.get(n).kind != 'base')}"
+            " (or empty for none)"
+        )
+    return spec
+
+
+def get_optimizer_spec(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+    """The spec of a built optimizer (set by build_optimizer, else looked up by class)."""
+    spec = getattr(optimizer, "optim_spec", None)
+    if spec is not None:
+        return spec
+    for name in OPTIMIZER_REGISTRY:
+        spec = OPTIMIZER_REGISTRY.get(name)
+        if type(optimizer) is spec.cls:
+            return spec
+    return OptimizerSpec(type(optimizer).__name__.lower(), type(optimizer), "unregistered")
+
+
+def _param_groups(params, optim_cfg):
+    """Trainable parameters as param groups; Dassl's STAGED_LR for modules."""
+    if isinstance(params, nn.Module):
+        module = params
+        if optim_cfg.STAGED_LR:
+            new_layers = optim_cfg.NEW_LAYERS
+            if not new_layers:
+                raise ValueError("OPTIM.STAGED_LR is True but OPTIM.NEW_LAYERS is empty")
+            new_layers = [new_layers] if isinstance(new_layers, str) else list(new_layers)
+            base, new = [], []
+            for name, child in module.named_children():
+                target = new if name in new_layers else base
+                target.extend(p for p in child.parameters() if p.requires_grad)
+            return [
+                {"params": base, "lr": optim_cfg.LR * optim_cfg.BASE_LR_MULT},
+                {"params": new},
+            ]
+        return [p for p in module.parameters() if p.requires_grad]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [p for p in params if p.requires_grad]
+
+
+def build_optimizer(cfg, params: nn.Module | Iterable) -> torch.optim.Optimizer:
+    """Build the optimizer of ``cfg.OPTIM`` over ``params``.
+
+    Args:
+        cfg: the full config or its OPTIM node.
+        params: a module (its trainable parameters, or STAGED_LR groups), an iterable of
+            parameters, or a list of param-group dicts.
+
+    Returns:
+        A base optimizer, or a sharpness-aware wrapper (sharing the base's param groups) when
+        ``OPTIM.SAM.NAME`` is set. ``optimizer.optim_spec`` holds the registry entry.
+    """
+    import optim  # noqa: F401  (registers the sharpness-aware optimizers)
+
+    optim_cfg = cfg.OPTIM if hasattr(cfg, "OPTIM") else cfg
+    groups = _param_groups(params, optim_cfg)
+    n_params = sum(
+        p.numel() for g in groups for p in (g["params"] if isinstance(g, dict) else [g])
+    )
+    if n_params == 0:
+        raise ValueError("build_optimizer: no trainable parameters (all requires_grad=False)")
+    if optim_cfg.LR <= 0:
+        raise ValueError(f"OPTIM.LR must be positive, got {optim_cfg.LR}")
+    base = _get(optim_cfg.NAME, "base", "OPTIM.NAME")
+    base_kwargs = base.make_kwargs(optim_cfg)
+    sam_name = optim_cfg.SAM.NAME if "SAM" in optim_cfg else ""
+    if not sam_name:
+        optimizer = base.cls(groups, **base_kwargs)
+        optimizer.optim_spec = base
+        logger.info("Optimizer: %s over %s parameters", base.name, f"{n_params:,}")
+        return optimizer
+    spec = _get(sam_name, "sharpness", "OPTIM.SAM.NAME")
+    kwargs = {SAM_KEY_TO_KWARG[k]: optim_cfg.SAM[k] for k in spec.hparams}
+    optimizer = spec.cls(groups, base_optimizer=base.cls, **kwargs, **base_kwargs)
+    optimizer.optim_spec = spec
+    logger.info(
+        "Optimizer: %s(%s) over %s parameters, %s",
+        spec.name,
+        base.name,
+        f"{n_params:,}",
+        ", ".join(f"{k}={v}" for k, v in kwargs.items()),
+    )
+    return optimizer
+
+
+def list_optimizers() -> list[OptimizerSpec]:
+    import optim  # noqa: F401
+
+    return [OPTIMIZER_REGISTRY.get(n) for n in OPTIMIZER_REGISTRY]
