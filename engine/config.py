@@ -141,8 +141,8 @@ _C.OPTIM.SAM.SCHEDULE = "constant"  # rho/alpha schedule: constant | inv_sqrt (p
 # Staged training: epochs before START_EPOCH use the base optimizer on all learnable
 # parameters; from START_EPOCH on, the sharpness-aware optimizer takes over and the parameters
 # whose names match a FREEZE pattern (fnmatch, e.g. "*proj*") stop training.
-_C.OPTIM.SAM.START_EPOCH = 0
-_C.OPTIM.SAM.FREEZE = ()
+_C.OPTIM.SAM.START_EPOCH = 0  # first epoch (0-based) of the sharpness-aware stage
+_C.OPTIM.SAM.FREEZE = ()  # parameter-name patterns frozen from START_EPOCH on
 
 ###########################
 # Train

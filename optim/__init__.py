@@ -8,9 +8,19 @@ from .build import (
     list_optimizers,
     register_optimizer,
 )
+from .fsam import FSAM
 from .lr_scheduler import build_lr_scheduler
+from .sagm import SAGM
+from .sam import SAM
+from .sample import SAMPLe
+from .sharpness import SharpnessAwareOptimizer
 
 __all__ = [
+    "FSAM",
+    "SAGM",
+    "SAM",
+    "SAMPLe",
+    "SharpnessAwareOptimizer",
     "OPTIMIZER_REGISTRY",
     "OptimizerSpec",
     "build_lr_scheduler",

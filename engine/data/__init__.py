@@ -12,7 +12,7 @@ from .base import (
     split_trainval,
     subsample_classes,
 )
-from .fewshot import load_or_create_fewshot
+from .fewshot import fewshot_and_subsample, load_or_create_fewshot
 from .manager import DataManager, DatasetWrapper, build_data_loader, build_dataset, read_image
 from .transforms import build_transform
 
@@ -25,6 +25,7 @@ __all__ = [
     "build_data_loader",
     "build_dataset",
     "build_transform",
+    "fewshot_and_subsample",
     "load_or_create_fewshot",
     "read_and_split_data",
     "read_image",

@@ -28,7 +28,13 @@ logger = logging.getLogger(__name__)
 
 
 def _relpath(path: str, root: str) -> str:
-    return osp.relpath(path, root) if osp.isabs(path) == osp.isabs(root) else path
+    """``path`` relative to ``root`` when it lies under it (so caches survive a moved root)."""
+    prefix = root.rstrip("/\\") + osp.sep
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
+def _abspath(path: str, root: str) -> str:
+    return path if osp.isabs(path) else osp.join(root, path)
 
 
 def _source_key(train, val, num_shots: int, seed: int, root: str) -> str:
@@ -122,7 +128,7 @@ def load_or_create_fewshot(
         data = read_json(own)
 
         def _convert(items):
-            return [Datum(osp.join(root, p), y, 0, c) for p, y, c in items]
+            return [Datum(_abspath(p, root), y, 0, c) for p, y, c in items]
 
         return _convert(data["train"]), _convert(data["val"])
 
@@ -161,3 +167,17 @@ def _draw(dataset, train, val, num_shots, rng):
     few_train = dataset.generate_fewshot_dataset(train, num_shots=num_shots, rng=rng)
     few_val = dataset.generate_fewshot_dataset(val, num_shots=min(num_shots, 4), rng=rng)
     return few_train, few_val
+
+
+def fewshot_and_subsample(dataset: DatasetBase, cfg, train, val, test, root: str | None = None):
+    """CoOp's common tail of a reader: few-shot train/val (cached), then base/new subsampling.
+
+    Returns ``(train, val, test)``.
+    """
+    from .base import subsample_classes
+
+    num_shots = cfg.DATASET.NUM_SHOTS
+    if num_shots >= 1:
+        train, val = load_or_create_fewshot(dataset, train, val, num_shots, cfg.SEED, root)
+    subsample = cfg.DATASET.SUBSAMPLE_CLASSES
+    return subsample_classes(train, val, test, subsample=subsample)

@@ -1,0 +1,27 @@
+"""CLIP backbone on open_clip_torch: local weight loading, tokenisation, text encoder."""
+
+from .model import (
+    OPENAI_MODELS,
+    BackboneError,
+    build_clip,
+    clip_dtype,
+    find_weights,
+    load_clip,
+    save_clip_checkpoint,
+)
+from .text import TextEncoder, encode_texts, eot_indices, tokenize, truncate_tokens
+
+__all__ = [
+    "OPENAI_MODELS",
+    "BackboneError",
+    "TextEncoder",
+    "build_clip",
+    "clip_dtype",
+    "encode_texts",
+    "eot_indices",
+    "find_weights",
+    "load_clip",
+    "save_clip_checkpoint",
+    "tokenize",
+    "truncate_tokens",
+]

@@ -1,0 +1,264 @@
+"""Loading CLIP (open_clip_torch models) from local files only.
+
+``MODEL.BACKBONE.NAME`` takes CoOp's names ("ViT-B/16", "ViT-B/32", "RN50", ...), open_clip
+architecture names ("ViT-B-16") or ``arch:tag`` ("ViT-B-16:laion2b_s34b_b88k"). Weights come from
+
+1. ``MODEL.BACKBONE.PATH``: an OpenAI checkpoint (TorchScript archive or plain state dict) or an
+   open_clip checkpoint (state dict, optionally under "state_dict", with or without "module.");
+2. else ``~/.cache/clip/<name>.pt``, where OpenAI's clip package keeps its downloads;
+3. else open_clip's local Hugging Face cache for the architecture and tag.
+
+Nothing is ever downloaded: when no file is found the error lists the places searched.
+``MODEL.BACKBONE.CONFIG`` points to an open_clip model-config JSON for custom or tiny
+architectures. OpenAI weights use QuickGELU, as they were trained with it.
+
+Precision: "fp16" stores the weights in half precision the way OpenAI's clip package does
+(linear/conv/attention weights fp16; layer norms computed in fp32); every other mode keeps fp32
+weights (autocast does the rest).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import os.path as osp
+import warnings
+import zipfile
+
+import open_clip
+import torch
+from open_clip.model import CLIP, build_model_from_openai_state_dict, convert_weights_to_lp
+
+logger = logging.getLogger(__name__)
+
+# CoOp / OpenAI clip names -> (open_clip architecture, file name in ~/.cache/clip)
+OPENAI_MODELS = {
+    "RN50": ("RN50", "RN50.pt"),
+    "RN101": ("RN101", "RN101.pt"),
+    "RN50x4": ("RN50x4", "RN50x4.pt"),
+    "RN50x16": ("RN50x16", "RN50x16.pt"),
+    "RN50x64": ("RN50x64", "RN50x64.pt"),
+    "ViT-B/32": ("ViT-B-32", "ViT-B-32.pt"),
+    "ViT-B/16": ("ViT-B-16", "ViT-B-16.pt"),
+    "ViT-L/14": ("ViT-L-14", "ViT-L-14.pt"),
+    "ViT-L/14@336px": ("ViT-L-14-336", "ViT-L-14-336px.pt"),
+}
+_ARCH_TO_OPENAI_FILE = {arch: fname for arch, fname in OPENAI_MODELS.values()}
+_CLIP_KWARGS = (
+    "embed_dim",
+    "vision_cfg",
+    "text_cfg",
+    "quick_gelu",
+    "init_logit_scale",
+    "init_logit_bias",
+    "nonscalar_logit_scale",
+)
+
+
+class BackboneError(RuntimeError):
+    """The CLIP backbone cannot be built or its weights cannot be found/loaded."""
+
+
+def resolve_name(name: str) -> tuple[str, str]:
+    """``(open_clip architecture, pretrained tag)`` for a backbone name."""
+    if name in OPENAI_MODELS:
+        return OPENAI_MODELS[name][0], "openai"
+    if ":" in name:
+        arch, tag = name.split(":", 1)
+        return arch, tag
+    return name, "openai"
+
+
+def _model_config(cfg) -> tuple[dict, str]:
+    path = cfg.MODEL.BACKBONE.CONFIG
+    if path:
+        if not osp.isfile(path):
+            raise BackboneError(f"MODEL.BACKBONE.CONFIG file not found: {path}")
+        with open(path) as f:
+            model_cfg = json.load(f)
+        return model_cfg, path
+    name = cfg.MODEL.BACKBONE.NAME
+    if not name:
+        raise BackboneError(
+            "MODEL.BACKBONE.NAME is empty: set it (e.g. ViT-B/16) or give MODEL.BACKBONE.CONFIG"
+        )
+    arch, tag = resolve_name(name)
+    model_cfg = open_clip.get_model_config(arch)
+    if model_cfg is None:
+        raise BackboneError(
+            f"Unknown CLIP architecture '{name}'. CoOp names: {', '.join(OPENAI_MODELS)}; "
+            f"open_clip names: see open_clip.list_models(); or give MODEL.BACKBONE.CONFIG"
+        )
+    model_cfg = copy.deepcopy(model_cfg)
+    pcfg = open_clip.get_pretrained_cfg(arch, tag) or {}
+    if pcfg.get("quick_gelu") or tag == "openai":
+        model_cfg["quick_gelu"] = True
+    return model_cfg, arch
+
+
+def find_weights(cfg) -> tuple[str | None, list[str]]:
+    """The weights file to load and the list of places searched."""
+    searched = []
+    path = cfg.MODEL.BACKBONE.PATH
+    if path:
+        path = osp.expanduser(path)
+        if osp.isfile(path):
+            return path, [path]
+        raise BackboneError(f"MODEL.BACKBONE.PATH does not exist: {path}")
+    name = cfg.MODEL.BACKBONE.NAME
+    if not name:
+        return None, searched
+    arch, tag = resolve_name(name)
+    if tag == "openai" and arch in _ARCH_TO_OPENAI_FILE:
+        cand = osp.join(osp.expanduser("~/.cache/clip"), _ARCH_TO_OPENAI_FILE[arch])
+        searched.append(cand)
+        if osp.isfile(cand):
+            return cand, searched
+    pcfg = open_clip.get_pretrained_cfg(arch, tag) or {}
+    hub = pcfg.get("hf_hub", "")
+    if hub:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+        except ImportError:  # pragma: no cover
+            try_to_load_from_cache = None
+        repo = hub.rstrip("/")
+        for fname in ("open_clip_model.safetensors", "open_clip_pytorch_model.bin"):
+            searched.append(f"Hugging Face cache: {repo}/{fname}")
+            if try_to_load_from_cache is not None:
+                found = try_to_load_from_cache(repo, fname)
+                if isinstance(found, str) and osp.isfile(found):
+                    return found, searched
+    if pcfg.get("url"):
+        cand = osp.join(osp.expanduser("~/.cache/clip"), osp.basename(pcfg["url"]))
+        if cand not in searched:
+            searched.append(cand)
+            if osp.isfile(cand):
+                return cand, searched
+    return None, searched
+
+
+def read_state_dict(path: str) -> tuple[dict, bool]:
+    """Read a CLIP checkpoint; returns ``(state_dict, is_torchscript)``."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path), False
+    if _is_torchscript(path):  # OpenAI's released checkpoints are TorchScript archives
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jit = torch.jit.load(path, map_location="cpu")
+        return {k: v for k, v in jit.state_dict().items()}, True
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise BackboneError(f"Cannot read CLIP weights from {path}: {e}") from e
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
+            obj = obj[key]
+    if not isinstance(obj, dict):
+        raise BackboneError(f"{path} does not hold a state dict")
+    sd = {(k[7:] if k.startswith("module.") else k): v for k, v in obj.items()}
+    return sd, False
+
+
+def _is_torchscript(path: str) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as zf:
+        return any(n.split("/", 2)[1:2] == ["code"] for n in zf.namelist())
+
+
+def build_clip(model_cfg: dict, precision: str = "fp32") -> CLIP:
+    """An open_clip CLIP from a model-config dict, with fp16 weights in "fp16" mode."""
+    if model_cfg.get("custom_text") or "hf_model_name" in model_cfg.get("text_cfg", {}):
+        raise BackboneError("Only CLIP models with the standard text tower are supported")
+    kwargs = {k: v for k, v in model_cfg.items() if k in _CLIP_KWARGS}
+    cast_dtype = torch.float16 if precision == "fp16" else None
+    model = CLIP(**kwargs, cast_dtype=cast_dtype)
+    return model
+
+
+def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
+    """Build the frozen CLIP of ``cfg.MODEL.BACKBONE`` (weights from local files only).
+
+    Args:
+        cfg: the config.
+        precision: "fp16" stores weights in half precision (OpenAI style); others fp32.
+        device: where to put the model.
+
+    Returns:
+        An open_clip ``CLIP`` in eval mode with ``requires_grad=False`` everywhere.
+    """
+    bb = cfg.MODEL.BACKBONE
+    path, searched = (None, []) if not bb.PRETRAINED else find_weights(cfg)
+    if bb.PRETRAINED and path is None:
+        where = "\n  ".join(searched) if searched else "(no name or path given)"
+        raise BackboneError(
+            f"No CLIP weights found for MODEL.BACKBONE.NAME={bb.NAME!r}. Searched:\n  {where}\n"
+            "Nothing is downloaded at run time. Put OpenAI's checkpoint in ~/.cache/clip/ "
+            "(e.g. ViT-B-16.pt from the openai/CLIP release URLs) or set MODEL.BACKBONE.PATH "
+            "to a local OpenAI or open_clip checkpoint."
+        )
+    if path is None:
+        model_cfg, source = _model_config(cfg)
+        logger.warning("MODEL.BACKBONE.PRETRAINED is False: CLIP %s has RANDOM weights", source)
+        model = build_clip(model_cfg, precision)
+    else:
+        sd, is_jit = read_state_dict(path)
+        for key in ("input_resolution", "context_length", "vocab_size", "attn_mask"):
+            sd.pop(key, None)
+        if any(k.startswith("text.") for k in sd):
+            raise BackboneError(f"{path} holds a CustomTextCLIP model, which is not supported")
+        if bb.CONFIG or bb.NAME:
+            model_cfg, source = _model_config(cfg)
+            if is_jit or (bb.NAME in OPENAI_MODELS and not bb.CONFIG):
+                model_cfg["quick_gelu"] = True
+            model = build_clip(model_cfg, precision)
+            missing, unexpected = _compare_keys(model.state_dict(), sd)
+            if missing or unexpected:
+                raise BackboneError(
+                    f"The weights in {path} do not fit the architecture {source}: "
+                    f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
+                    f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
+                    "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
+                )
+            try:
+                model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+            except RuntimeError as e:
+                raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
+        else:  # infer the architecture from an OpenAI-style state dict
+            cast = torch.float16 if precision == "fp16" else None
+            model = build_model_from_openai_state_dict(sd, quick_gelu=True, cast_dtype=cast)
+            model.float()
+        logger.info("Loaded CLIP weights from %s", path)
+    if precision == "fp16":
+        convert_weights_to_lp(model, dtype=torch.float16)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _compare_keys(own: dict, sd: dict) -> tuple[list[str], list[str]]:
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    return missing, unexpected
+
+
+def clip_dtype(clip_model) -> torch.dtype:
+    """The dtype of the CLIP weights (open_clip has no ``dtype`` property)."""
+    visual = clip_model.visual
+    conv = getattr(visual, "conv1", None)
+    if conv is not None:
+        return conv.weight.dtype
+    return next(visual.parameters()).dtype
+
+
+def save_clip_checkpoint(model: CLIP, path: str) -> None:
+    """Save a CLIP state dict (open_clip key names = OpenAI key names)."""
+    from engine.utils import atomic_torch_save
+
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+    atomic_torch_save({k: v.detach().cpu() for k, v in model.state_dict().items()}, path)

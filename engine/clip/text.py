@@ -1,0 +1,130 @@
+"""Tokenisation and a CLIP text encoder that takes prompt embeddings.
+
+The text transformer is causal and its output is read at the EOT token, so tokens after the
+last EOT of a batch never influence any output: :class:`TextEncoder` runs on the sequence cut to
+``max(eot_idx) + 1``, which gives the same features as the full 77-token sequence (bit-identical
+in fp32, see tests/test_clip.py) at a fraction of the cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import open_clip
+import torch
+from torch import nn
+
+_TOKENIZER = None
+
+
+def _tokenizer() -> open_clip.SimpleTokenizer:
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = open_clip.SimpleTokenizer()
+    return _TOKENIZER
+
+
+def tokenize(texts: str | list[str], context_length: int = 77) -> torch.LongTensor:
+    """CLIP BPE token ids ``[n, context_length]``; raises instead of silently truncating."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    tok = _tokenizer()
+    for text in texts:
+        n = len(tok.encode(text)) + 2  # + start and end tokens
+        if n > context_length:
+            raise ValueError(
+                f"Prompt has {n} tokens, more than CLIP's context length {context_length}: "
+                f"{text[:120]!r}"
+            )
+    return open_clip.tokenize(texts, context_length=context_length)
+
+
+def eot_indices(tokens: torch.Tensor) -> torch.Tensor:
+    """Position of the end-of-text token (the largest id) in each row."""
+    return tokens.argmax(dim=-1)
+
+
+def truncate_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens[:, :max_eot + 1], eot_idx)``."""
+    eot = eot_indices(tokens)
+    return tokens[:, : int(eot.max()) + 1], eot
+
+
+LayerHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class TextEncoder(nn.Module):
+    """CLIP's text tower applied to prompt embeddings (CoOp's ``TextEncoder``).
+
+    Args:
+        clip_model: an open_clip ``CLIP``; its modules are shared, not copied.
+
+    ``forward(prompts, eot_idx, layer_hook=None)``:
+        prompts: ``[n, L, width]`` token embeddings with ``L <= context_length`` (any L up to
+            the longest EOT + 1 gives the full-length result).
+        eot_idx: ``[n]`` EOT positions.
+        layer_hook: optional ``hook(i, x) -> x`` applied before block ``i`` (deep prompts).
+    Returns ``[n, embed_dim]`` features (not normalised).
+    """
+
+    def __init__(self, clip_model):
+        super().__init__()
+        self.transformer = clip_model.transformer
+        self.positional_embedding = clip_model.positional_embedding
+        self.ln_final = clip_model.ln_final
+        self.text_projection = clip_model.text_projection
+        self.token_embedding = clip_model.token_embedding
+        mask = clip_model.attn_mask
+        if not getattr(self.transformer, "batch_first", True):
+            raise ValueError("Only batch-first open_clip text transformers are supported")
+        if mask is None:
+            raise ValueError("The text tower has no causal mask; prompt truncation needs one")
+        self.register_buffer("attn_mask", mask, persistent=False)  # [ctx, ctx] additive
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.get_cast_dtype()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.transformer.resblocks)
+
+    def forward(
+        self, prompts: torch.Tensor, eot_idx: torch.Tensor, layer_hook: LayerHook | None = None
+    ) -> torch.Tensor:
+        seq_len = prompts.shape[1]
+        x = prompts.to(self.dtype) + self.positional_embedding[:seq_len].to(self.dtype)
+        mask = self.attn_mask[:seq_len, :seq_len]
+        for i, block in enumerate(self.transformer.resblocks):
+            if layer_hook is not None:
+                x = layer_hook(i, x)
+            x = block(x, attn_mask=mask)  # [n, L, width]
+        x = self.ln_final(x)
+        x = x[torch.arange(x.shape[0], device=x.device), eot_idx]  # [n, width]
+        proj = self.text_projection
+        return proj(x) if isinstance(proj, nn.Linear) else x @ proj
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[n, L, width]`` (in the embedding's dtype)."""
+        return self.token_embedding(tokens)
+
+    @torch.no_grad()
+    def encode_tokens(self, tokens: torch.Tensor, truncate: bool = True) -> torch.Tensor:
+        """Features of tokenised text (frozen CLIP), truncated to the longest EOT by default."""
+        tokens = tokens.to(self.positional_embedding.device)
+        if truncate:
+            tokens, eot = truncate_tokens(tokens)
+        else:
+            eot = eot_indices(tokens)
+        return self(self.embed_tokens(tokens), eot)
+
+
+def encode_texts(
+    encoder: TextEncoder, texts: list[str], batch_size: int = 1000, normalize: bool = True
+) -> torch.Tensor:
+    """Frozen features of hand-written texts, in batches, L2-normalised by default."""
+    feats = []
+    for i in range(0, len(texts), batch_size):
+        tokens = tokenize(texts[i : i + batch_size])
+        f = encoder.encode_tokens(tokens).float()
+        feats.append(f / f.norm(dim=-1, keepdim=True) if normalize else f)
+    return torch.cat(feats)

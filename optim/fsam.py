@@ -1,0 +1,98 @@
+"""F-SAM: Friendly Sharpness-Aware Minimization (Li et al., CVPR 2024).
+
+F-SAM removes the full-gradient component from SAM's perturbation direction, keeping the
+batch-specific stochastic part. The full gradient is approximated by an exponential moving
+average ``m`` of the mini-batch gradients (Li et al., Eq. 8; SAMPLe paper, Eq. ``EMA``)::
+
+    m_t = lam * m_{t-1} + (1 - lam) * g_t,  m_0 = 0
+    d   = g_t - sigma * m_t
+    e   = rho * d / (||d|| + 1e-12)
+    theta <- base_step(theta, g_p),  g_p = grad L(theta + e)
+
+Paper vs reference (the released code, nblt/F-SAM), documented differences:
+
+- First step of each tensor: the paper's ``m_1 = (1 - lam) * g_1`` (from ``m_0 = 0``) gives
+  ``d = (1 - sigma * (1 - lam)) * g``; the reference initialises ``m = g`` and perturbs along
+  ``d = g`` (plain SAM).
+- Later steps: the paper subtracts the *new* average, ``d = g_t - sigma * m_t``; the reference
+  subtracts the *old* one, ``d = g_t - sigma * m_{t-1}``, and only then updates
+  ``m_t = lam * m_{t-1} + (1 - lam) * g_t``.
+- Otherwise identical: SAM's perturbation on ``d`` with eps 1e-12, restore, base step with
+  ``g_p``. The reference restores by subtracting ``e``; both variants here restore from saved
+  copies (bit-exact; the difference is rounding only).
+
+``lam`` and ``sigma`` are global in the reference; here they may also be set per param group
+(the moving average is per tensor anyway; the norm of ``d`` stays global), like ``rho``.
+Defaults are the released class's (rho 0.05, sigma 1, lam 0.9); the SAMPLe paper ran F-SAM
+with rho 0.05, lam 0.15, sigma 1 (its Table of hyper-parameters; OPTIM.SAM.LAMBDA = 0.15).
+
+Diagnostics (``last_stats``) besides the common ones: ``ema_norm`` (``||m_t||``), ``xi``
+(``cos(g, m)`` of the average subtracted in ``d``), ``gb_norm`` (``||d||``), ``cos_gp_m``
+(``cos(g_p, m_t)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import register_optimizer
+from .sharpness import EPS, SharpnessAwareOptimizer, cosine, global_dot, global_norm
+
+
+class FSAM(SharpnessAwareOptimizer):
+    """Friendly SAM; see the module docstring for the equations and the two variants.
+
+    Args:
+        params: parameters or param-group dicts.
+        base_optimizer: base optimizer class (default SGD).
+        rho: perturbation radius (>= 0; 0 gives the base optimizer exactly).
+        lam: moving-average factor lambda in [0, 1).
+        sigma: scale (>= 0) of the full-gradient component removed from ``g``.
+        variant: "paper" or "reference".
+        schedule: "constant" or "inv_sqrt" (rho / sqrt(t)).
+        **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
+    """
+
+    def __init__(
+        self,
+        params,
+        base_optimizer=torch.optim.SGD,
+        rho: float = 0.05,
+        lam: float = 0.9,
+        sigma: float = 1.0,
+        variant: str = "paper",
+        schedule: str = "constant",
+        **base_kwargs,
+    ):
+        defaults = dict(rho=rho, lam=lam, sigma=sigma)
+        super().__init__(params, base_optimizer, defaults, variant, schedule, **base_kwargs)
+
+    def _perturbation(self, fp, g, g_norm, scale):
+        used, new = [], []  # the average subtracted in d, and m_t
+        for group, p, gi in zip(fp.groups, fp.params, g):
+            m, lam = self._ema(p), group["lam"]
+            if m is None:
+                m_t = gi.clone() if self.variant == "reference" else gi * (1 - lam)
+                used.append(torch.zeros_like(gi) if self.variant == "reference" else m_t)
+            else:
+                m_t = m.mul(lam).add_(gi, alpha=1 - lam)
+                used.append(m if self.variant == "reference" else m_t)
+            new.append(m_t)
+        d = [gi - group["sigma"] * m for group, gi, m in zip(fp.groups, g, used)]
+        d_norm = global_norm(d)
+        inv = 1.0 / (d_norm + EPS)
+        fp.ema = new
+        fp.stats["ema_norm"] = global_norm(new)
+        fp.stats["xi"] = cosine(global_dot(g, used), g_norm, global_norm(used))
+        fp.stats["gb_norm"] = d_norm
+        return [di * (inv * (group["rho"] * scale)) for group, di in zip(fp.groups, d)]
+
+
+register_optimizer(
+    "fsam",
+    FSAM,
+    "Friendly SAM (Li et al. 2024): SAM along g minus its moving average",
+    kind="sharpness",
+    needs_closure=True,
+    hparams=("RHO", "LAMBDA", "SIGMA", "VARIANT", "SCHEDULE"),
+)

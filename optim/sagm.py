@@ -1,0 +1,71 @@
+"""SAGM: Sharpness-Aware Gradient Matching (Wang et al., CVPR 2023).
+
+SAGM minimises ``L(theta) + L(theta + e - alpha * g)`` with SAM's ``e = rho * g / ||g||``
+(Wang et al., Eq. 9-11), i.e. the second pass is taken at::
+
+    theta_hat = theta + e_w,   e_w = g * (rho / (||g|| + 1e-12) - alpha)
+    theta <- base_step(theta, G)
+
+Paper vs reference (the released code, Wang-pengfei/SAGM), documented differences:
+
+- Update gradient: the paper's objective (and the SAMPLe paper's SAGM/SAMPLe update, Eq.
+  ``obj_fn_1``) sums the two gradients, ``G = g + g_p`` ("paper"); the reference averages
+  them, ``G = 0.5 * g + 0.5 * g_p`` ("reference"; the same as halving the learning rate with
+  SGD, not with Adam).
+- Restore: the reference subtracts the stored ``e_w`` (inexact in low precision); both
+  variants here restore from saved copies (bit-exact; the difference is rounding only).
+- The reference drives rho through a linear scheduler whose max equals its min (a constant);
+  here rho is constant, or rho / sqrt(t) with ``schedule="inv_sqrt"`` (alpha likewise).
+
+The perturbation is the same in both variants. ``rho`` and ``alpha`` may be set per param
+group (the norm stays global). Default alpha 0.001 (the reference's and the SAMPLe paper's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import register_optimizer
+from .sharpness import SharpnessAwareOptimizer, sagm_perturbation
+
+
+class SAGM(SharpnessAwareOptimizer):
+    """Sharpness-aware gradient matching; see the module docstring for the equations.
+
+    Args:
+        params: parameters or param-group dicts.
+        base_optimizer: base optimizer class (default SGD).
+        rho: perturbation radius (>= 0).
+        alpha: step (>= 0) back along ``g`` at the perturbed point.
+        variant: "paper" (update with g + g_p) or "reference" (0.5 * g + 0.5 * g_p).
+        schedule: "constant" or "inv_sqrt" (rho / sqrt(t) and alpha / sqrt(t)).
+        **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
+    """
+
+    UPDATE = {"paper": "sum", "reference": "mean"}
+
+    def __init__(
+        self,
+        params,
+        base_optimizer=torch.optim.SGD,
+        rho: float = 0.05,
+        alpha: float = 0.001,
+        variant: str = "paper",
+        schedule: str = "constant",
+        **base_kwargs,
+    ):
+        defaults = dict(rho=rho, alpha=alpha)
+        super().__init__(params, base_optimizer, defaults, variant, schedule, **base_kwargs)
+
+    def _perturbation(self, fp, g, g_norm, scale):
+        return sagm_perturbation(fp.groups, g, g_norm, scale)
+
+
+register_optimizer(
+    "sagm",
+    SAGM,
+    "SAGM (Wang et al. 2023): SAM plus a step back along the gradient, update g + g_p",
+    kind="sharpness",
+    needs_closure=True,
+    hparams=("RHO", "ALPHA", "VARIANT", "SCHEDULE"),
+)

@@ -1,0 +1,389 @@
+"""Shared machinery of the sharpness-aware optimizers (SAM/ASAM, F-SAM, SAGM, SAMPLe).
+
+Every optimizer of this family takes two gradients on the same mini-batch per update: ``g`` at
+the current parameters ``theta`` and ``g_p`` at a perturbed point ``theta + e``, then lets a base
+optimizer (SGD, Adam, ...) step with a gradient formed from ``g`` and ``g_p``. The subclasses
+differ only in how ``e`` is computed (:meth:`SharpnessAwareOptimizer._perturbation`), in which
+update gradient is formed (``UPDATE``) and in whether they keep a moving average of ``g``.
+
+Step protocol (identical for every subclass):
+
+1. The caller computes ``g`` (forward + backward) so that the parameters' ``.grad`` hold it.
+2. :meth:`~SharpnessAwareOptimizer.first_step` saves a copy of every parameter that has a
+   gradient (in the parameter's dtype), computes ``e`` from ``g`` and moves to ``theta + e``.
+3. The caller computes ``g_p`` at the perturbed point (``closure()``).
+4. :meth:`~SharpnessAwareOptimizer.second_step` restores ``theta`` exactly from the copies (not by
+   subtracting ``e``), forms the update gradient in ``.grad`` and calls
+   ``self.base_optimizer.step()``. Weight decay and momentum belong to that step only.
+
+:meth:`~SharpnessAwareOptimizer.step` runs 2-4 with a closure. When no parameter has a
+``.grad`` it first calls the closure at ``theta`` to compute ``g`` (the usual torch convention;
+the closure then runs twice). :meth:`~SharpnessAwareOptimizer.restore` puts ``theta`` back after
+step 2 without any update (a pass produced inf/NaN under a GradScaler and the step is skipped).
+
+State and restore: everything a step changes is *computed* in ``first_step`` but *committed*
+only in ``second_step``: the new moving average is held next to the saved copies and replaces
+the old one in ``second_step``, and the step counter ``num_steps`` (which drives the
+``inv_sqrt`` schedule and the reference variants' first-step rule) is incremented there. So
+``restore()`` leaves the wrapper's state exactly as before ``first_step`` (moving averages,
+counter) and does not touch the base optimizer; it leaves ``.grad`` as it is and keeps the
+``last_stats`` of the last completed step.
+
+Numerics: norms, cosines and the moving averages are fp32 whatever the parameter dtype; the
+saved copies are in the parameter dtype, so restoring is bit-exact. A zero gradient gives a zero
+perturbation, never NaN (eps guards, no Python branch on tensor values: the step makes no
+host-device synchronisation). ``||.||`` is the global L2 norm over every parameter of every
+param group that has a gradient this step; parameters without one are neither perturbed, nor
+restored, nor updated. All parameters are assumed to live on one device.
+
+Hyper-parameters live in ``defaults`` and may be overridden per param group (``rho``, ``alpha``,
+``lam``, ``sigma``, ``adaptive``); norms and cosines stay global. ``variant`` ("paper" or
+"reference") and ``schedule`` ("constant" or "inv_sqrt": ``rho_t = rho / sqrt(t)`` and
+``alpha_t = alpha / sqrt(t)``, t = 1, 2, ... this optimizer's steps, as in the SAMPLe paper's
+convergence theorem) are global.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+EPS = 1e-12  # the epsilon of SAM-style normalisations (davda54/sam, F-SAM, SAGM)
+TINY = torch.finfo(torch.float32).tiny  # a guard that only acts on an exact zero
+VARIANTS = ("paper", "reference")
+SCHEDULES = ("constant", "inv_sqrt")
+
+
+def global_norm(tensors: Iterable[Tensor]) -> Tensor:
+    """The fp32 L2 norm of the concatenation of ``tensors`` (a 0-d tensor)."""
+    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def global_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """The fp32 inner product of two lists of tensors seen as one vector each."""
+    dots = [torch.dot(x.float().flatten(), y.float().flatten()) for x, y in zip(a, b)]
+    return torch.stack(dots).sum()
+
+
+def cosine(dot: Tensor, norm_a: Tensor, norm_b: Tensor) -> Tensor:
+    """``dot / (norm_a * norm_b)``, 0 (not NaN) when either norm is 0."""
+    return dot / (norm_a * norm_b).clamp_min(TINY)
+
+
+def sagm_perturbation(
+    groups: Sequence[dict], g: Sequence[Tensor], g_norm: Tensor, scale: float
+) -> list[Tensor]:
+    """SAGM's ``e_w = g * (rho / (||g|| + 1e-12) - alpha)`` per tensor (rho, alpha per group).
+
+    Shared by SAGM and SAMPLe (whose ascent-and-descent part it is) so that SAMPLe without its
+    exploration term is SAGM to the bit.
+    """
+    inv = 1.0 / (g_norm + EPS)
+    return [gi * (inv * (gr["rho"] * scale) - gr["alpha"] * scale) for gr, gi in zip(groups, g)]
+
+
+def check_hparams(group: dict) -> None:
+    """Raise ValueError for an invalid hyper-parameter of a param group (or the defaults)."""
+    for name in ("rho", "alpha", "sigma"):
+        if name in group and not group[name] >= 0:
+            raise ValueError(f"Invalid {name}: {group[name]} (must be >= 0)")
+    if "lam" in group and not 0 <= group["lam"] < 1:
+        raise ValueError(f"Invalid lam: {group['lam']} (must be in [0, 1))")
+    if "adaptive" in group and not isinstance(group["adaptive"], bool):
+        raise ValueError(f"Invalid adaptive: {group['adaptive']!r} (must be a bool)")
+
+
+@dataclass
+class FirstPass:
+    """What ``first_step`` leaves for ``second_step`` (transient, never in the state dict).
+
+    Attributes:
+        t: the number this step will have once committed (1, 2, ...).
+        groups: the param group of each parameter below.
+        params: the parameters that had a gradient at ``first_step``.
+        backup: copies of ``params`` before the perturbation (parameter dtype).
+        grads: copies of the first-pass gradients ``g`` (gradient dtype).
+        ema: the new moving average (fp32) to commit, or None for optimizers without one.
+        stats: first-pass diagnostics (0-d fp32 tensors).
+    """
+
+    t: int
+    groups: list[dict]
+    params: list[Tensor]
+    backup: list[Tensor]
+    grads: list[Tensor]
+    ema: list[Tensor] | None = None
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+class SharpnessAwareOptimizer(torch.optim.Optimizer):
+    """Base class: a wrapper around a base optimizer that steps with a perturbed gradient.
+
+    Subclasses pass their hyper-parameters as ``defaults`` and implement :meth:`_perturbation`;
+    ``UPDATE`` maps the variant to the update gradient: "perturbed" (``g_p``), "sum"
+    (``g + g_p``) or "mean" (``0.5 * g + 0.5 * g_p``).
+
+    Args:
+        params: parameters or param-group dicts.
+        base_optimizer: the base optimizer class, built as
+            ``base_optimizer(self.param_groups, **base_kwargs)``; its ``param_groups`` list is
+            this wrapper's ``param_groups`` (an LR scheduler may act on either).
+        defaults: the subclass's hyper-parameters (validated, overridable per group).
+        variant: "paper" (the equations as written) or "reference" (the released code).
+        schedule: "constant" or "inv_sqrt" (rho and alpha divided by sqrt(t)).
+        **base_kwargs: passed to the base optimizer (lr, momentum, weight_decay, ...).
+
+    Attributes:
+        base_optimizer: the wrapped optimizer.
+        num_steps: completed steps (``second_step`` calls), saved in the state dict.
+        last_stats: diagnostics of the last completed step, 0-d fp32 tensors on the
+            parameters' device: grad_norm, grad_p_norm, cos_g_gp, plus the subclass's.
+    """
+
+    UPDATE: dict[str, str] = {"paper": "perturbed", "reference": "perturbed"}
+
+    def __init__(
+        self,
+        params,
+        base_optimizer: Callable[..., torch.optim.Optimizer],
+        defaults: dict[str, Any],
+        variant: str = "paper",
+        schedule: str = "constant",
+        **base_kwargs,
+    ):
+        if variant not in VARIANTS:
+            raise ValueError(f"Invalid variant: {variant!r} (expected one of {VARIANTS})")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Invalid schedule: {schedule!r} (expected one of {SCHEDULES})")
+        check_hparams(defaults)
+        self.variant = variant
+        self.schedule = schedule
+        self._own_defaults = dict(defaults)
+        super().__init__(params, defaults)
+        self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults.update(self.base_optimizer.defaults)
+        self.num_steps = 0
+        self.last_stats: dict[str, Tensor] = {}
+        self._pending: FirstPass | None = None
+
+    # ----------------------------------------------------------------------------- groups
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group with this wrapper's defaults and the base optimizer's (shared list)."""
+        for key, value in self._own_defaults.items():
+            param_group.setdefault(key, value)
+        check_hparams(param_group)
+        if hasattr(self, "base_optimizer"):
+            self.base_optimizer.add_param_group(param_group)
+        else:  # during torch.optim.Optimizer.__init__, before the base optimizer exists
+            super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the gradients of every parameter, through the base optimizer."""
+        self.base_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _scale(self, t: int) -> float:
+        """The schedule's factor on rho and alpha at step ``t``."""
+        return 1.0 if self.schedule == "constant" else 1.0 / math.sqrt(t)
+
+    # ------------------------------------------------------------------------- the step
+    def _perturbation(self, fp: FirstPass, g: list[Tensor], g_norm: Tensor, scale: float):
+        """Return the fp32 perturbation ``e`` of each of ``fp.params``.
+
+        Subclasses may set ``fp.ema`` (the new moving average, committed in ``second_step``)
+        and add diagnostics to ``fp.stats``.
+
+        Args:
+            fp: the pending step (groups, params, saved copies).
+            g: the first-pass gradients in fp32.
+            g_norm: ``||g||`` (global, fp32).
+            scale: the schedule's factor on rho and alpha.
+        """
+        raise NotImplementedError
+
+    def _ema(self, p: Tensor) -> Tensor | None:
+        """The committed moving average of ``p`` (fp32), None before its first update."""
+        return self.state[p].get("ema")
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        """Save the parameters, compute ``e`` from the current ``.grad`` and move to theta + e.
+
+        Args:
+            zero_grad: zero the gradients afterwards (the second pass then starts clean).
+        """
+        if self._pending is not None:
+            raise RuntimeError("first_step() called twice: call second_step() or restore()")
+        groups, params = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    groups.append(group)
+                    params.append(p)
+        fp = FirstPass(
+            t=self.num_steps + 1,
+            groups=groups,
+            params=params,
+            backup=[p.detach().clone() for p in params],
+            grads=[p.grad.detach().clone() for p in params],
+        )
+        if params:
+            g = [gi.float() for gi in fp.grads]
+            g_norm = global_norm(g)
+            fp.stats["grad_norm"] = g_norm
+            e = self._perturbation(fp, g, g_norm, self._scale(fp.t))
+            for p, ei in zip(params, e):
+                p.add_(ei)
+        self._pending = fp
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        """Restore theta, form the update gradient from ``g`` and ``.grad = g_p``, step the base.
+
+        Args:
+            zero_grad: zero the gradients after the base optimizer's step.
+        """
+        fp = self._pending
+        if fp is None:
+            raise RuntimeError("second_step() without first_step()")
+        self._pending = None
+        stepped = {id(p) for p in fp.params}
+        for group in self.param_groups:  # no first-pass gradient: not updated (pitfall 6)
+            for p in group["params"]:
+                if id(p) not in stepped:
+                    p.grad = None
+        for p, saved in zip(fp.params, fp.backup):
+            p.copy_(saved)
+            if p.grad is None:  # no gradient in the second pass: g_p = 0
+                p.grad = torch.zeros_like(p)
+        stats = dict(fp.stats)
+        if fp.params:
+            g_p = [p.grad for p in fp.params]
+            gp_norm = global_norm(g_p)
+            stats["grad_p_norm"] = gp_norm
+            stats["cos_g_gp"] = cosine(global_dot(fp.grads, g_p), stats["grad_norm"], gp_norm)
+            if fp.ema is not None:
+                m_norm = stats["ema_norm"]
+                stats["cos_gp_m"] = cosine(global_dot(g_p, fp.ema), gp_norm, m_norm)
+            rule = self.UPDATE[self.variant]
+            for gpi, gi in zip(g_p, fp.grads):
+                if rule == "sum":
+                    gpi.add_(gi)
+                elif rule == "mean":
+                    gpi.add_(gi).mul_(0.5)
+        if fp.ema is not None:
+            for p, m in zip(fp.params, fp.ema):
+                self.state[p]["ema"] = m
+        self.num_steps = fp.t
+        self.base_optimizer.step()
+        self._opt_called = True  # torch LR schedulers check it when step() is not used
+        self.last_stats = stats
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Undo ``first_step``: parameters back bit-exactly, no update, state unchanged.
+
+        The pending moving average and step number are discarded (they are committed only in
+        ``second_step``); ``.grad`` is left as it is. A no-op without a pending ``first_step``.
+        """
+        fp = self._pending
+        if fp is None:
+            return
+        self._pending = None
+        for p, saved in zip(fp.params, fp.backup):
+            p.copy_(saved)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
+        """One full sharpness-aware update.
+
+        Args:
+            closure: forward + backward at the current parameters, returning the loss (it need
+                not zero the gradients). Called once at the perturbed point; called first at
+                theta as well when no parameter has a ``.grad`` (then it runs twice).
+            loss: the first-pass loss, returned as is.
+
+        Returns:
+            The first-pass loss: ``loss`` if given, else the closure's first-pass value when it
+            was called at theta, else None.
+        """
+        if closure is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() needs a closure (forward + backward); or call "
+                "first_step() and second_step() around your own second pass"
+            )
+        closure = torch.enable_grad()(closure)
+        if all(p.grad is None for group in self.param_groups for p in group["params"]):
+            first_loss = closure()
+            loss = first_loss if loss is None else loss
+        self.first_step(zero_grad=True)
+        closure()
+        self.second_step()
+        return loss
+
+    # ---------------------------------------------------------------------- state dicts
+    def _all_params(self) -> list[Tensor]:
+        return list(chain.from_iterable(group["params"] for group in self.param_groups))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base optimizer's state dict plus ``"sharpness"``: step counter and averages.
+
+        Plain tensors, numbers, strings, lists and dicts (``torch.load(weights_only=True)``
+        loads it); the transient copies of ``first_step`` are not included.
+        """
+        sd = self.base_optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(self._all_params())}
+        own = {index[id(p)]: dict(s) for p, s in self.state.items() if s and id(p) in index}
+        sd["sharpness"] = {
+            "num_steps": self.num_steps,
+            "variant": self.variant,
+            "schedule": self.schedule,
+            "state": own,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict of :meth:`state_dict` (or a plain base optimizer's: averages restart)."""
+        if self._pending is not None:
+            raise RuntimeError("load_state_dict() between first_step() and second_step()")
+        state_dict = dict(state_dict)
+        own = state_dict.pop("sharpness", None)
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups  # load made a new list
+        self.state = defaultdict(dict)
+        if own is None:
+            logger.warning("%s: no sharpness-aware state in the state dict", type(self).__name__)
+            self.num_steps = 0
+            return
+        if (own.get("variant"), own.get("schedule")) != (self.variant, self.schedule):
+            logger.warning(
+                "%s: state dict of variant %s / schedule %s loaded into %s / %s",
+                type(self).__name__,
+                own.get("variant"),
+                own.get("schedule"),
+                self.variant,
+                self.schedule,
+            )
+        params = self._all_params()
+        for idx, s in own["state"].items():
+            p = params[int(idx)]
+            self.state[p] = {
+                k: v.detach().clone().to(p.device) if isinstance(v, Tensor) else v
+                for k, v in s.items()
+            }
+        self.num_steps = int(own["num_steps"])

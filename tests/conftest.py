@@ -1,0 +1,88 @@
+"""Shared fixtures: a tiny random-weight CLIP on disk and generated datasets."""
+
+from __future__ import annotations
+
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory):
+    """(config json path, checkpoint path) of a tiny random CLIP."""
+    from engine.toy import write_tiny_clip
+
+    return write_tiny_clip(str(tmp_path_factory.mktemp("clip")))
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_opts(tiny_clip):
+    from engine.toy import TINY_OPTS
+
+    cfg_path, ckpt = tiny_clip
+    return [
+        "MODEL.BACKBONE.NAME",
+        "",
+        "MODEL.BACKBONE.CONFIG",
+        cfg_path,
+        "MODEL.BACKBONE.PATH",
+        ckpt,
+        *TINY_OPTS,
+    ]
+
+
+@pytest.fixture
+def dtd_root(tmp_path):
+    """A fresh DTD-layout dataset (7 classes x 10 images, no split file)."""
+    from engine.toy import make_dtd
+
+    root = tmp_path / "data"
+    make_dtd(str(root))
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def dtd_root_shared(tmp_path_factory):
+    from engine.toy import make_dtd
+
+    root = tmp_path_factory.mktemp("shared_data")
+    make_dtd(str(root), per_class=12)
+    return str(root)
+
+
+def run_train(args: list[str], check: bool = True, timeout: int = 300):
+    """Run train.py in a subprocess; returns the CompletedProcess."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, osp.join(ROOT, "train.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"train.py failed ({proc.returncode})\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+            f"STDERR:\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def make_cfg(opts=(), trainer="CoOp", dataset_cfg="configs/datasets/dtd.yaml", config_file=None):
+    """A merged config like train.py builds it."""
+    from train import build_parser, setup_cfg
+
+    args = ["--trainer", trainer, "--dataset-config-file", osp.join(ROOT, dataset_cfg)]
+    if config_file:
+        args += ["--config-file", osp.join(ROOT, config_file)]
+    return setup_cfg(build_parser().parse_args(args + list(opts)))

@@ -1,0 +1,169 @@
+"""Train or evaluate a prompt learner (CoOp's command line).
+
+Examples::
+
+    # CoOp on DTD, base classes, 16 shots, seed 1
+    python train.py --root DATA --seed 1 --trainer CoOp \\
+        --dataset-config-file configs/datasets/dtd.yaml \\
+        --config-file configs/trainers/CoOp/vit_b16_ctxv1.yaml \\
+        --output-dir output/base2new/train_base/dtd/shots_16/CoOp/vit_b16_ctxv1/seed1 \\
+        DATASET.NUM_SHOTS 16 DATASET.SUBSAMPLE_CLASSES base
+
+    # ... with SAMPLe
+    python train.py ... OPTIM.SAM.NAME sample
+
+    # evaluate that model on the new classes
+    python train.py --root DATA --seed 1 --trainer CoOp ... --eval-only \\
+        --model-dir output/base2new/train_base/dtd/... --load-epoch 200 \\
+        DATASET.SUBSAMPLE_CLASSES new
+
+Config merge order (as in CoOp): defaults, trainer keys, --dataset-config-file, --config-file,
+the flags below, then the trailing KEY VALUE options. Re-running into an existing output folder
+resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger("train")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train or evaluate a prompt learner (CoOp-compatible flags).",
+        epilog="Trailing KEY VALUE pairs override config keys, e.g. OPTIM.LR 0.002 "
+        "OPTIM.SAM.NAME sample DATASET.NUM_SHOTS 16.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--root", type=str, default="", help="dataset root folder (DATASET.ROOT)")
+    parser.add_argument("--output-dir", type=str, default="", help="run folder (OUTPUT_DIR)")
+    parser.add_argument(
+        "--resume", type=str, default="", help="folder to resume from (default: the output dir)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=-1, help="random seed; any value >= 0 (0 included) fixes it"
+    )
+    parser.add_argument(
+        "--source-domains", type=str, nargs="+", help="source domains (DATASET.SOURCE_DOMAINS)"
+    )
+    parser.add_argument(
+        "--target-domains", type=str, nargs="+", help="target domains (DATASET.TARGET_DOMAINS)"
+    )
+    parser.add_argument(
+        "--transforms", type=str, nargs="+", help="training transforms (INPUT.TRANSFORMS)"
+    )
+    parser.add_argument("--config-file", type=str, default="", help="trainer config file")
+    parser.add_argument("--dataset-config-file", type=str, default="", help="dataset config file")
+    parser.add_argument("--trainer", type=str, default="", help="trainer name, e.g. CoOp")
+    parser.add_argument("--backbone", type=str, default="", help="CLIP backbone, e.g. ViT-B/16")
+    parser.add_argument("--head", type=str, default="", help="head name (Dassl compatibility)")
+    parser.add_argument("--eval-only", action="store_true", help="evaluation only")
+    parser.add_argument(
+        "--model-dir", type=str, default="", help="load the model from this run folder"
+    )
+    parser.add_argument(
+        "--load-epoch", type=int, help="load model.pth.tar-<epoch> (default: model-best)"
+    )
+    parser.add_argument("--no-train", action="store_true", help="build everything, do not train")
+    parser.add_argument(
+        "opts", default=None, nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ..."
+    )
+    return parser
+
+
+def reset_cfg(cfg, args) -> None:
+    """Apply the command-line flags to ``cfg`` (``--seed 0`` counts)."""
+    if args.root:
+        cfg.DATASET.ROOT = args.root
+    if args.output_dir:
+        cfg.OUTPUT_DIR = args.output_dir
+    if args.resume:
+        cfg.RESUME = args.resume
+    if args.seed is not None and args.seed >= 0:
+        cfg.SEED = args.seed
+    if args.source_domains:
+        cfg.DATASET.SOURCE_DOMAINS = tuple(args.source_domains)
+    if args.target_domains:
+        cfg.DATASET.TARGET_DOMAINS = tuple(args.target_domains)
+    if args.transforms:
+        cfg.INPUT.TRANSFORMS = tuple(args.transforms)
+    if args.trainer:
+        cfg.TRAINER.NAME = args.trainer
+    if args.backbone:
+        cfg.MODEL.BACKBONE.NAME = args.backbone
+    if args.head:
+        cfg.MODEL.HEAD.NAME = args.head
+
+
+def setup_cfg(args):
+    """defaults -> trainer keys -> dataset config -> trainer config -> flags -> opts."""
+    from engine.config import get_cfg_default, merge_from_file, merge_from_list
+
+    cfg = get_cfg_default()
+    if args.dataset_config_file:
+        merge_from_file(cfg, args.dataset_config_file)
+    if args.config_file:
+        merge_from_file(cfg, args.config_file)
+    reset_cfg(cfg, args)
+    opts = list(args.opts or [])
+    if opts and opts[0] == "--":
+        opts = opts[1:]
+    merge_from_list(cfg, opts)
+    cfg.freeze()
+    return cfg
+
+
+def main(args) -> int:
+    import os.path as osp
+
+    from engine import build_trainer
+    from engine.config import dump_cfg
+    from engine.utils import collect_env_info, set_random_seed, setup_logger
+
+    cfg = setup_cfg(args)
+    if cfg.SEED >= 0:
+        set_random_seed(cfg.SEED)
+    setup_logger(cfg.OUTPUT_DIR)
+    dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))
+    logger.info("***************\n** Arguments **\n***************")
+    for key in sorted(vars(args)):
+        logger.info("%s: %s", key, getattr(args, key))
+    logger.info("************\n** Config **\n************\n%s", cfg)
+    logger.info("Collecting env info ...\n** System info **\n%s\n", collect_env_info())
+
+    trainer = build_trainer(cfg)
+    if args.eval_only:
+        trainer.load_model(args.model_dir, epoch=args.load_epoch)
+        trainer.test()
+        return 0
+    if not args.no_train:
+        trainer.train()
+    return 0
+
+
+def _known_errors():
+    from engine.clip import BackboneError
+    from engine.config import ConfigError
+    from engine.data import DatasetNotFoundError
+    from engine.registry import RegistryError
+
+    return (ConfigError, DatasetNotFoundError, RegistryError, BackboneError)
+
+
+if __name__ == "__main__":
+    args = build_parser().parse_args()
+    try:
+        sys.exit(main(args))
+    except Exception as e:  # clear one-line errors for bad input, tracebacks for bugs
+        if isinstance(e, _known_errors()) or type(e) in (ValueError, FileNotFoundError):
+            logging.getLogger("train").error("%s", e)
+            print(f"Error: {e}", file=sys.stderr)
+            sys.exit(2)
+        if isinstance(e, FloatingPointError):
+            logging.getLogger("train").error("%s", e)
+            print(f"Error: {e}", file=sys.stderr)
+            sys.exit(3)
+        raise

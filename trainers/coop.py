@@ -1,0 +1,223 @@
+"""CoOp: learnable context vectors for CLIP's text prompts (Zhou et al., IJCV 2022).
+
+Prompt = [SOS][ctx x n_ctx][class-name tokens][.][EOS]; only the context is learned. Differences
+from the CoOp code base, all deliberate:
+
+- the context is an fp32 parameter in every precision mode (CoOp's fp16 mode updated an fp16
+  parameter with no master copy); in "fp16" mode CLIP's weights are half precision as before;
+- the text transformer runs on the prompts cut to the longest EOT position (identical features);
+- image features are computed once per step without gradients, text features once per
+  evaluation (not per batch);
+- the class-dependent ``token_prefix``/``token_suffix``/``eot_idx`` tensors are non-persistent
+  buffers, so checkpoints hold only the context and load for any set of classes;
+- with CSC and CTX_INIT the class-specific contexts all start from the init words (CoOp silently
+  fell back to one shared context).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.clip import TextEncoder, clip_dtype, load_clip, tokenize, truncate_tokens
+from engine.clip.text import _tokenizer
+from engine.registry import TRAINER_REGISTRY
+from engine.trainer import TrainerX
+from engine.utils import compute_accuracy
+from optim import build_lr_scheduler, build_optimizer
+
+from .common import load_init_weights
+
+
+def add_coop_config(cfg) -> None:
+    """TRAINER.COOP keys (CoOp's names and defaults)."""
+    from yacs.config import CfgNode as CN
+
+    cfg.TRAINER.COOP = CN()
+    cfg.TRAINER.COOP.N_CTX = 16  # number of context vectors (ignored when CTX_INIT is set)
+    cfg.TRAINER.COOP.CSC = False  # class-specific context (one context per class)
+    cfg.TRAINER.COOP.CTX_INIT = ""  # initialise the context from these words, e.g. "a photo of a"
+    cfg.TRAINER.COOP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 context) | amp | bf16
+    cfg.TRAINER.COOP.CLASS_TOKEN_POSITION = "end"  # end | middle | front
+
+
+class PromptLearner(nn.Module):
+    """CoOp's learnable context plus the fixed token embeddings of each class prompt.
+
+    Args:
+        classnames: class names ("_" becomes " ").
+        clip_model: the frozen CLIP (its token embedding is read once).
+        n_ctx: number of context tokens (overridden by the words of ``ctx_init``).
+        ctx_init: initial context words ("" = random N(0, 0.02)).
+        csc: class-specific contexts.
+        class_token_position: "end" | "middle" | "front".
+    """
+
+    def __init__(
+        self,
+        classnames: list[str],
+        clip_model,
+        n_ctx: int = 16,
+        ctx_init: str = "",
+        csc: bool = False,
+        class_token_position: str = "end",
+    ):
+        super().__init__()
+        if class_token_position not in ("end", "middle", "front"):
+            raise ValueError(
+                f"CLASS_TOKEN_POSITION must be end, middle or front; got {class_token_position!r}"
+            )
+        n_cls = len(classnames)
+        ctx_dim = clip_model.ln_final.weight.shape[0]
+        embedding = clip_model.token_embedding
+        if ctx_init:
+            ctx_init = ctx_init.replace("_", " ")
+            n_ctx = len(ctx_init.split(" "))
+            with torch.no_grad():
+                init = embedding(tokenize(ctx_init).to(embedding.weight.device))
+            ctx_vectors = init[0, 1 : 1 + n_ctx, :].float()  # [n_ctx, width]
+            if csc:
+                ctx_vectors = ctx_vectors.unsqueeze(0).repeat(n_cls, 1, 1)
+            prompt_prefix = ctx_init
+        else:
+            if n_ctx < 1:
+                raise ValueError(f"N_CTX must be >= 1, got {n_ctx}")
+            shape = (n_cls, n_ctx, ctx_dim) if csc else (n_ctx, ctx_dim)
+            ctx_vectors = torch.empty(shape, dtype=torch.float32)
+            nn.init.normal_(ctx_vectors, std=0.02)
+            prompt_prefix = " ".join(["X"] * n_ctx)
+        self.ctx = nn.Parameter(ctx_vectors.to(embedding.weight.device))  # fp32 master weights
+
+        names = [name.replace("_", " ") for name in classnames]
+        self.name_lens = [len(_tokenizer().encode(name)) for name in names]
+        prompts = [f"{prompt_prefix} {name}." for name in names]
+        tokens, eot = truncate_tokens(tokenize(prompts))  # [n_cls, L], L = longest EOT + 1
+        with torch.no_grad():
+            emb = embedding(tokens.to(embedding.weight.device))  # [n_cls, L, width]
+        self.register_buffer("token_prefix", emb[:, :1, :], persistent=False)  # SOS
+        self.register_buffer("token_suffix", emb[:, 1 + n_ctx :, :], persistent=False)  # CLS . EOS
+        self.register_buffer("eot_idx", eot.to(emb.device), persistent=False)
+        self.register_buffer(
+            "order", self._token_order(n_ctx, class_token_position, tokens.shape[1]), persistent=False
+        )
+        self.n_cls, self.n_ctx = n_cls, n_ctx
+        self.class_token_position = class_token_position
+        self.prompt_prefix = prompt_prefix
+
+    def _token_order(self, n_ctx: int, position: str, seq_len: int) -> torch.Tensor:
+        """For each class, the source index of every prompt position in the "end" layout
+        [SOS, ctx, class, suffix] (an identity for "end")."""
+        rows = []
+        for name_len in self.name_lens:
+            sos, ctx = [0], list(range(1, 1 + n_ctx))
+            cls = list(range(1 + n_ctx, 1 + n_ctx + name_len))
+            rest = list(range(1 + n_ctx + name_len, seq_len))
+            if position == "middle":
+                half = n_ctx // 2
+                rows.append(sos + ctx[:half] + cls + ctx[half:] + rest)
+            elif position == "front":
+                rows.append(sos + cls + ctx + rest)
+            else:
+                rows.append(sos + ctx + cls + rest)
+        return torch.tensor(rows, dtype=torch.long)  # [n_cls, L]
+
+    def forward(self) -> torch.Tensor:
+        """Prompt embeddings ``[n_cls, L, width]``."""
+        ctx = self.ctx
+        if ctx.dim() == 2:
+            ctx = ctx.unsqueeze(0).expand(self.n_cls, -1, -1)  # [n_cls, n_ctx, width]
+        prefix, suffix = self.token_prefix, self.token_suffix
+        prompts = torch.cat([prefix, ctx.to(prefix.dtype), suffix], dim=1)
+        if self.class_token_position != "end":
+            index = self.order.unsqueeze(-1).expand(-1, -1, prompts.shape[-1])
+            prompts = prompts.gather(1, index)
+        return prompts
+
+
+class CustomCLIP(nn.Module):
+    """CLIP with CoOp's prompt learner; ``forward(image)`` returns logits as in CoOp.
+
+    The trainer uses the parts: :meth:`encode_image` (frozen), :meth:`encode_text` (learnable)
+    and :meth:`logits`.
+    """
+
+    def __init__(self, cfg, classnames, clip_model):
+        super().__init__()
+        c = cfg.TRAINER.COOP
+        self.prompt_learner = PromptLearner(
+            classnames,
+            clip_model,
+            n_ctx=c.N_CTX,
+            ctx_init=c.CTX_INIT,
+            csc=c.CSC,
+            class_token_position=c.CLASS_TOKEN_POSITION,
+        )
+        self.image_encoder = clip_model.visual
+        self.text_encoder = TextEncoder(clip_model)
+        self.logit_scale = clip_model.logit_scale
+        self.dtype = clip_dtype(clip_model)
+
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        f = self.image_encoder(image.to(self.dtype))
+        return f / f.norm(dim=-1, keepdim=True)
+
+    def encode_text(self) -> torch.Tensor:
+        f = self.text_encoder(self.prompt_learner(), self.prompt_learner.eot_idx)
+        return f / f.norm(dim=-1, keepdim=True)
+
+    def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
+        return self.logit_scale.exp() * image_features @ text_features.t().to(image_features.dtype)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.encode_image(image), self.encode_text())
+
+
+class PromptTrainer(TrainerX):
+    """Shared by text-prompt trainers with a frozen image encoder (CoOp, TCP, ...):
+    image features once per step, text features once per evaluation."""
+
+    def prepare_step(self, batch_inputs):
+        image, label = batch_inputs
+        return self.model.encode_image(image), label
+
+    def compute_loss(self, inputs):
+        image_features, label = inputs
+        logits = self.model.logits(image_features, self.model.encode_text())
+        loss = F.cross_entropy(logits.float(), label)
+        return loss, {"acc": compute_accuracy(logits, label)[0]}
+
+    def before_test(self):
+        self._text_features = self.model.encode_text()
+
+    def after_test(self):
+        self._text_features = None
+
+    def model_inference(self, image):
+        return self.model.logits(self.model.encode_image(image), self._text_features)
+
+
+@TRAINER_REGISTRY.register()
+class CoOp(PromptTrainer):
+    """Context Optimization (CoOp)."""
+
+    add_config = staticmethod(add_coop_config)
+
+    def check_cfg(self, cfg):
+        pos = cfg.TRAINER.COOP.CLASS_TOKEN_POSITION
+        if pos not in ("end", "middle", "front"):
+            raise ValueError(
+                f"TRAINER.COOP.CLASS_TOKEN_POSITION must be end, middle or front; got {pos!r}"
+            )
+
+    def build_model(self):
+        cfg = self.cfg
+        classnames = self.dm.dataset.classnames
+        clip_model = load_clip(cfg, precision=self.prec, device=self.device)
+        self.model = CustomCLIP(cfg, classnames, clip_model).to(self.device)
+        for name, param in self.model.named_parameters():
+            param.requires_grad_(name.startswith("prompt_learner."))
+        load_init_weights(self.model.prompt_learner, cfg.MODEL.INIT_WEIGHTS)
+        self.optim = build_optimizer(cfg, self.model.prompt_learner)
+        self.sched = build_lr_scheduler(self.optim, cfg.OPTIM)
+        self.register_model("prompt_learner", self.model.prompt_learner, self.optim, self.sched)
