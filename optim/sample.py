@@ -14,7 +14,8 @@ Algorithm 1). Per step, both passes on the same mini-batch, variant "paper"::
 
 So ``g_B`` is orthogonal to ``m_t``; at the first step ``m_1 = (1 - lam) * g_1`` is parallel
 to ``g_1``, ``g_B = 0`` and the perturbation is SAM's; replacing ``g_B`` by ``g`` gives SAGM.
-``exploration=False`` does exactly that (an ablation: SAMPLe is then SAGM to the bit). The
+``exploration=False`` does exactly that (an ablation: in the paper variant SAMPLe is then SAGM
+to the bit; in the reference variant ``g_B`` is replaced by ``g`` in its own formula). The
 cosine and ratio carry a zero-only guard, so a zero gradient or average gives ``xi = 0``.
 With ``schedule="inv_sqrt"`` rho and alpha are divided by sqrt(t) (the convergence theorem).
 

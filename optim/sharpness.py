@@ -20,6 +20,8 @@ Step protocol (identical for every subclass):
 ``.grad`` it first calls the closure at ``theta`` to compute ``g`` (the usual torch convention;
 the closure then runs twice). :meth:`~SharpnessAwareOptimizer.restore` puts ``theta`` back after
 step 2 without any update (a pass produced inf/NaN under a GradScaler and the step is skipped).
+Under a GradScaler the caller unscales ``.grad`` before ``first_step`` and before
+``second_step``: the alpha terms, norms and cosines must see true gradients.
 
 State and restore: everything a step changes is *computed* in ``first_step`` but *committed*
 only in ``second_step``: the new moving average is held next to the saved copies and replaces
@@ -252,6 +254,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
         """Restore theta, form the update gradient from ``g`` and ``.grad = g_p``, step the base.
+
+        A parameter without a first-pass gradient gets ``.grad = None`` (not updated, even if
+        the second pass gave it one); one without a second-pass gradient uses ``g_p = 0``.
 
         Args:
             zero_grad: zero the gradients after the base optimizer's step.
