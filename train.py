@@ -100,7 +100,7 @@ def reset_cfg(cfg, args) -> None:
 
 def setup_cfg(args):
     """defaults -> trainer keys -> dataset config -> trainer config -> flags -> opts."""
-    from engine.config import get_cfg_default, merge_from_file, merge_from_list
+    from engine.config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
 
     cfg = get_cfg_default()
     if args.dataset_config_file:
@@ -111,6 +111,11 @@ def setup_cfg(args):
     opts = list(args.opts or [])
     if opts and opts[0] == "--":
         opts = opts[1:]
+    flags = [o for o in opts[0::2] if o.startswith("--")]
+    if flags:
+        raise ConfigError(
+            f"Flag {flags[0]} comes after the KEY VALUE options; put all --flags before them"
+        )
     merge_from_list(cfg, opts)
     cfg.freeze()
     return cfg

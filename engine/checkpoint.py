@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(state: dict, save_dir: str, is_best: bool = False, fname: str = "") -> str:
-    """Save ``state`` as ``model.pth.tar-<epoch>`` (or ``model-best.pth.tar``, or ``fname``) in
-    ``save_dir``. Returns the path written. The ``checkpoint`` pointer file is updated after the checkpoint
-    itself is complete, so a crash never leaves a pointer to a partial file.
+    """Save ``state`` as ``model.pth.tar-<epoch>`` (or ``model-best.pth.tar``, or ``fname``).
+
+    Returns the path written in ``save_dir``. The ``checkpoint`` pointer file is updated after
+    the checkpoint itself is complete, so a crash never leaves a pointer to a partial file.
     """
     state = dict(state)
     state["state_dict"] = {

@@ -11,6 +11,7 @@ expected type). Integers are accepted for float keys and lists for tuple keys.
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import os
 
@@ -36,7 +37,8 @@ _C.VERBOSE = True  # print the dataset summary table and other details
 _C.INPUT = CN()
 _C.INPUT.SIZE = (224, 224)  # (height, width) of network inputs
 _C.INPUT.INTERPOLATION = "bilinear"  # resize interpolation: bilinear | bicubic | nearest
-_C.INPUT.TRANSFORMS = ()  # train transform names, e.g. (random_resized_crop, random_flip, normalize)
+# train transform names, e.g. (random_resized_crop, random_flip, normalize)
+_C.INPUT.TRANSFORMS = ()
 _C.INPUT.NO_TRANSFORM = False  # if True, images are only resized/converted (no augmentation)
 _C.INPUT.PIXEL_MEAN = [0.485, 0.456, 0.406]  # per-channel mean for "normalize"
 _C.INPUT.PIXEL_STD = [0.229, 0.224, 0.225]  # per-channel std for "normalize"
@@ -228,10 +230,8 @@ def _coerce(value, default, full_key: str, source: str):
         if dtype is bool and low in ("true", "false"):
             value = low == "true"
         else:
-            try:
+            with contextlib.suppress(ValueError, SyntaxError):
                 value = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                pass
     if dtype is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if dtype in (tuple, list) and isinstance(value, (tuple, list)):

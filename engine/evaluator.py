@@ -1,11 +1,11 @@
 """Evaluators. ``Classification`` prints Dassl's result block, which result parsers read::
 
-    => result
-    * total: 1,234
-    * correct: 1,000
-    * accuracy: 81.0%
-    * error: 19.0%
-    * macro_f1: 80.5%
+=> result
+* total: 1,234
+* correct: 1,000
+* accuracy: 81.0%
+* error: 19.0%
+* macro_f1: 80.5%
 """
 
 from __future__ import annotations
@@ -77,9 +77,7 @@ class Classification(EvaluatorBase):
         tp = cmat.diag().double()
         precision = tp / cmat.sum(0).double().clamp_min(1)
         recall = tp / cmat.sum(1).double().clamp_min(1)
-        f1 = torch.where(
-            precision + recall > 0, 2 * precision * recall / (precision + recall), 0.0
-        )
+        f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall), 0.0)
         present = cmat.sum(1) + cmat.sum(0) > 0  # classes seen as label or prediction
         macro_f1 = 100.0 * float(f1[present].mean())
         results = OrderedDict(accuracy=acc, error=err, macro_f1=macro_f1)
@@ -100,7 +98,9 @@ class Classification(EvaluatorBase):
                 a = 100.0 * c / max(n, 1)
                 accs.append(a)
                 name = self._lab2cname.get(label, str(label)) if self._lab2cname else str(label)
-                lines.append(f"* class: {label} ({name})\ttotal: {n:,}\tcorrect: {c:,}\tacc: {a:.1f}%")
+                lines.append(
+                    f"* class: {label} ({name})\ttotal: {n:,}\tcorrect: {c:,}\tacc: {a:.1f}%"
+                )
             mean_acc = sum(accs) / len(accs)
             lines.append(f"* average: {mean_acc:.1f}%")
             results["perclass_accuracy"] = mean_acc

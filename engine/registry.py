@@ -71,14 +71,14 @@ class Registry:
 
     def unknown_message(self, name: str) -> str:
         names = self.registered_names()
-        msg = f"Unknown {self._name} '{name}'."
+        msg = f"Unknown {self._name} '{name}'"
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
         if not close:  # case-insensitive second chance: 'coop' -> 'CoOp'
             lower = {n.lower(): n for n in names}
             close = [lower[name.lower()]] if name.lower() in lower else []
         if close:
             msg += f" (do you mean [{close[0]}]?)"
-        msg += f" Available {self._name}s: {', '.join(sorted(names)) or '(none)'}"
+        msg += f". Available {self._name}s: {', '.join(sorted(names)) or '(none)'}"
         return msg
 
     def registered_names(self) -> list[str]:

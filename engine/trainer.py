@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from optim import get_optimizer_spec
+import optim  # attributes are read at call time (optim imports engine.registry)
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import DataManager
@@ -205,7 +205,7 @@ class TrainerBase:
                 self._writer = SummaryWriter(log_dir=log_dir)
         if self._scalar_file is None:
             mkdir_if_missing(self.output_dir)
-            self._scalar_file = open(osp.join(self.output_dir, "scalars.jsonl"), "a")
+            self._scalar_file = open(osp.join(self.output_dir, "scalars.jsonl"), "a")  # noqa: SIM115
 
     def close_writer(self) -> None:
         self.flush_scalars()
@@ -257,7 +257,7 @@ class TrainerBase:
         self.max_epoch = max_epoch
         self.before_train()
         try:
-            for self.epoch in range(self.start_epoch, self.max_epoch):
+            for self.epoch in range(self.start_epoch, self.max_epoch):  # noqa: B020
                 self.before_epoch()
                 self.run_epoch()
                 self.after_epoch()
@@ -339,9 +339,7 @@ class SimpleTrainer(TrainerBase):
         self.output_dir = cfg.OUTPUT_DIR
         self.cfg = cfg
         self.prec = self._precision(cfg)
-        self.scaler = (
-            torch.amp.GradScaler(self.device.type) if self.prec == "amp" else None
-        )
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.prec == "amp" else None
         self._checks: list[tuple[int, int, torch.Tensor, dict]] = []
         self._stage_applied = False
         self.build_data_loader()
@@ -357,7 +355,7 @@ class SimpleTrainer(TrainerBase):
         """This trainer's ``TRAINER.<NAME>`` node (None if it has none)."""
         cfg = cfg or self.cfg
         key = type(self).__name__.upper()
-        return cfg.TRAINER[key] if key in cfg.TRAINER else None
+        return cfg.TRAINER.get(key, None)
 
     def _precision(self, cfg) -> str:
         node = self.trainer_cfg(cfg)
@@ -555,7 +553,7 @@ class TrainerX(SimpleTrainer):
         self.model_zero_grad(names)
         loss, summary = self._loss(inputs)
         self._backward(loss)
-        two_pass = [o for o in optims if get_optimizer_spec(o).needs_closure]
+        two_pass = [o for o in optims if optim.get_optimizer_spec(o).needs_closure]
         if two_pass and self._sam_active():
             if len(optims) != 1:
                 raise ValueError(
@@ -589,7 +587,9 @@ class TrainerX(SimpleTrainer):
             loss_p, _ = self._loss(inputs)
             self._backward(loss_p)
             if scaler is not None:
-                grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                grads = [
+                    p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None
+                ]
                 torch._foreach_mul_(grads, inv_scale)
             return loss_p.detach()
 
@@ -643,7 +643,7 @@ class TrainerX(SimpleTrainer):
         self.num_batches = len(self.train_loader_x)
         print_freq = self.cfg.TRAIN.PRINT_FREQ
         end = time.time()
-        for self.batch_idx, batch in enumerate(self.train_loader_x):
+        for self.batch_idx, batch in enumerate(self.train_loader_x):  # noqa: B020
             data_time.update(time.time() - end)
             loss_summary = self.forward_backward(batch)
             batch_time.update(time.time() - end)

@@ -99,7 +99,9 @@ def _adam_kwargs(o):
     )
 
 
-register_optimizer("sgd", torch.optim.SGD, "SGD with momentum (Dassl defaults)", make_kwargs=_sgd_kwargs)
+register_optimizer(
+    "sgd", torch.optim.SGD, "SGD with momentum (Dassl defaults)", make_kwargs=_sgd_kwargs
+)
 register_optimizer("adam", torch.optim.Adam, "Adam", make_kwargs=_adam_kwargs)
 register_optimizer(
     "amsgrad",
@@ -107,7 +109,9 @@ register_optimizer(
     "Adam with the AMSGrad variant",
     make_kwargs=lambda o: {**_adam_kwargs(o), "amsgrad": True},
 )
-register_optimizer("adamw", torch.optim.AdamW, "AdamW (decoupled weight decay)", make_kwargs=_adam_kwargs)
+register_optimizer(
+    "adamw", torch.optim.AdamW, "AdamW (decoupled weight decay)", make_kwargs=_adam_kwargs
+)
 register_optimizer(
     "rmsprop",
     torch.optim.RMSprop,
@@ -134,10 +138,10 @@ def _get(name: str, kind: str, key: str) -> OptimizerSpec:
                 f"{key} '{name}' is a sharpness-aware wrapper, not a base optimizer: keep "
                 f"OPTIM.NAME the base optimizer (e.g. sgd) and set OPTIM.SAM.NAME {name}"
             )
+        wrappers = [n for n in OPTIMIZER_REGISTRY if OPTIMIZER_REGISTRY.get(n).kind != "base"]
         raise ValueError(
             f"{key} '{name}' is a base optimizer; OPTIM.SAM.NAME takes one of "
-            f"{', '.join(n for n in OPTIMIZER_REGISTRY if OPTIMIZER_REGISTRY.get(n).kind != 'base')}"
-            " (or empty for none)"
+            f"{', '.join(wrappers)} (or empty for none)"
         )
     return spec
 
@@ -194,9 +198,7 @@ def build_optimizer(cfg, params: nn.Module | Iterable) -> torch.optim.Optimizer:
 
     optim_cfg = cfg.OPTIM if hasattr(cfg, "OPTIM") else cfg
     groups = _param_groups(params, optim_cfg)
-    n_params = sum(
-        p.numel() for g in groups for p in (g["params"] if isinstance(g, dict) else [g])
-    )
+    n_params = sum(p.numel() for g in groups for p in (g["params"] if isinstance(g, dict) else [g]))
     if n_params == 0:
         raise ValueError("build_optimizer: no trainable parameters (all requires_grad=False)")
     if optim_cfg.LR <= 0:

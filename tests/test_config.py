@@ -32,9 +32,9 @@ def test_every_key_is_commented():
     lines = open(osp.join(ROOT, "engine", "config.py")).read().splitlines()
     missing = []
     for i, line in enumerate(lines):
-        if re.match(r"^_C\.[A-Z0-9_.]+ = (?!CN\(\))", line):
-            if "#" not in line and not lines[i - 1].lstrip().startswith("#"):
-                missing.append(line)
+        is_key = re.match(r"^_C\.[A-Z0-9_.]+ = (?!CN\(\))", line)
+        if is_key and "#" not in line and not lines[i - 1].lstrip().startswith("#"):
+            missing.append(line)
     assert not missing, missing
 
 
@@ -61,7 +61,16 @@ def test_coercions():
     cfg = get_cfg_default()
     merge_from_list(
         cfg,
-        ["OPTIM.LR", "1", "INPUT.SIZE", "(32, 32)", "OPTIM.STEPSIZE", "[5, 8]", "USE_CUDA", "false"],
+        [
+            "OPTIM.LR",
+            "1",
+            "INPUT.SIZE",
+            "(32, 32)",
+            "OPTIM.STEPSIZE",
+            "[5, 8]",
+            "USE_CUDA",
+            "false",
+        ],
     )
     assert cfg.OPTIM.LR == 1.0 and isinstance(cfg.OPTIM.LR, float)
     assert cfg.INPUT.SIZE == (32, 32) and cfg.OPTIM.STEPSIZE == (5, 8)

@@ -84,10 +84,16 @@ def test_reads_coop_pickle_cache(tmp_path):
     """A CoOp `shot_K-seed_S.pkl` pickles dassl.data.datasets.base_dataset.Datum objects."""
     root = str(tmp_path / "dtd")
     img_dir = osp.join(root, "images")
-    train = [Datum(osp.join(img_dir, f"c{y}", f"{i}.jpg"), y, 0, f"c{y}") for y in range(3)
-             for i in range(6)]
-    val = [Datum(osp.join(img_dir, f"c{y}", f"v{i}.jpg"), y, 0, f"c{y}") for y in range(3)
-           for i in range(3)]
+    train = [
+        Datum(osp.join(img_dir, f"c{y}", f"{i}.jpg"), y, 0, f"c{y}")
+        for y in range(3)
+        for i in range(6)
+    ]
+    val = [
+        Datum(osp.join(img_dir, f"c{y}", f"v{i}.jpg"), y, 0, f"c{y}")
+        for y in range(3)
+        for i in range(3)
+    ]
 
     mod = types.ModuleType("dassl.data.datasets.base_dataset")
 
@@ -105,8 +111,14 @@ def test_reads_coop_pickle_cache(tmp_path):
         # paths from another machine: /home/someone/data/dtd/images/...
         chosen = [train[0], train[7], train[13]]
         data = {
-            "train": [FakeDassl("/home/u/data/dtd/images/" + osp.relpath(d.impath, img_dir),
-                                d.label, d.classname) for d in chosen],
+            "train": [
+                FakeDassl(
+                    "/home/u/data/dtd/images/" + osp.relpath(d.impath, img_dir),
+                    d.label,
+                    d.classname,
+                )
+                for d in chosen
+            ],
             "val": [],
         }
         os.makedirs(osp.join(root, "split_fewshot"))
@@ -147,8 +159,18 @@ def test_split_generation_and_roundtrip(tmp_path, dtd_root):
 
 
 def test_dtd_reader_and_errors(dtd_root, tmp_path):
-    cfg = make_cfg(["--root", dtd_root, "--seed", "1", "DATASET.NUM_SHOTS", "2",
-                    "DATASET.SUBSAMPLE_CLASSES", "new"])
+    cfg = make_cfg(
+        [
+            "--root",
+            dtd_root,
+            "--seed",
+            "1",
+            "DATASET.NUM_SHOTS",
+            "2",
+            "DATASET.SUBSAMPLE_CLASSES",
+            "new",
+        ]
+    )
     ds = build_dataset(cfg)
     assert osp.isfile(osp.join(dtd_root, "dtd", "split_zhou_DescribableTextures.json"))
     assert ds.num_classes == 3 and len(ds.train_x) == 6 and len(ds.val) == 6
@@ -160,10 +182,26 @@ def test_dtd_reader_and_errors(dtd_root, tmp_path):
 
 
 def test_transforms_and_wrapper_views(dtd_root):
-    cfg = make_cfg(["--root", dtd_root, "--seed", "1", "INPUT.SIZE", "(16, 16)",
-                    "DATALOADER.K_TRANSFORMS", "2", "DATALOADER.RETURN_IMG0", "True",
-                    "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", "5",
-                    "INPUT.TRANSFORMS", "['random_resized_crop', 'random_flip', 'normalize']"])
+    cfg = make_cfg(
+        [
+            "--root",
+            dtd_root,
+            "--seed",
+            "1",
+            "INPUT.SIZE",
+            "(16, 16)",
+            "DATALOADER.K_TRANSFORMS",
+            "2",
+            "DATALOADER.RETURN_IMG0",
+            "True",
+            "DATALOADER.NUM_WORKERS",
+            "0",
+            "DATALOADER.TRAIN_X.BATCH_SIZE",
+            "5",
+            "INPUT.TRANSFORMS",
+            "['random_resized_crop', 'random_flip', 'normalize']",
+        ]
+    )
     dm = DataManager(cfg)
     batch = next(iter(dm.train_loader_x))
     assert isinstance(batch["img"], list) and len(batch["img"]) == 2
@@ -176,9 +214,20 @@ def test_transforms_and_wrapper_views(dtd_root):
 
 
 def test_loader_order_is_seeded_per_epoch(dtd_root):
-    opts = ["--root", dtd_root, "--seed", "3", "INPUT.SIZE", "(16, 16)",
-            "DATALOADER.NUM_WORKERS", "0", "DATALOADER.TRAIN_X.BATCH_SIZE", "4",
-            "INPUT.TRANSFORMS", "['random_resized_crop', 'normalize']"]
+    opts = [
+        "--root",
+        dtd_root,
+        "--seed",
+        "3",
+        "INPUT.SIZE",
+        "(16, 16)",
+        "DATALOADER.NUM_WORKERS",
+        "0",
+        "DATALOADER.TRAIN_X.BATCH_SIZE",
+        "4",
+        "INPUT.TRANSFORMS",
+        "['random_resized_crop', 'normalize']",
+    ]
     loader = DataManager(make_cfg(opts)).train_loader_x
 
     def epoch(e):

@@ -30,20 +30,40 @@ def test_cosine_constant_warmup_matches_dassl():
         LR=0.002, MAX_EPOCH=10, LR_SCHEDULER="cosine", WARMUP_EPOCH=1, WARMUP_TYPE="constant"
     )
     lrs = _lrs(opt, sched, 10)
-    expected = [1e-5, 0.002, 0.001951, 0.001809, 0.001588, 0.001309, 0.001, 0.000691, 0.000412,
-                0.000191]
+    expected = [
+        1e-5,
+        0.002,
+        0.001951,
+        0.001809,
+        0.001588,
+        0.001309,
+        0.001,
+        0.000691,
+        0.000412,
+        0.000191,
+    ]
     assert lrs == pytest.approx(expected, abs=1e-6)
 
 
 def test_linear_warmup_and_no_recount():
     opt, sched = _sched(
-        LR=0.1, MAX_EPOCH=6, LR_SCHEDULER="single_step", STEPSIZE=(2,), WARMUP_EPOCH=2,
-        WARMUP_TYPE="linear", WARMUP_MIN_LR=0.01,
+        LR=0.1,
+        MAX_EPOCH=6,
+        LR_SCHEDULER="single_step",
+        STEPSIZE=(2,),
+        WARMUP_EPOCH=2,
+        WARMUP_TYPE="linear",
+        WARMUP_MIN_LR=0.01,
     )
     assert _lrs(opt, sched, 6) == pytest.approx([0.01, 0.05, 0.1, 0.1, 0.01, 0.01])
     opt, sched = _sched(
-        LR=0.1, MAX_EPOCH=6, LR_SCHEDULER="single_step", STEPSIZE=(2,), WARMUP_EPOCH=2,
-        WARMUP_TYPE="constant", WARMUP_RECOUNT=False,
+        LR=0.1,
+        MAX_EPOCH=6,
+        LR_SCHEDULER="single_step",
+        STEPSIZE=(2,),
+        WARMUP_EPOCH=2,
+        WARMUP_TYPE="constant",
+        WARMUP_RECOUNT=False,
     )
     assert _lrs(opt, sched, 6) == pytest.approx([1e-5, 1e-5, 0.01, 0.01, 0.001, 0.001])
 
@@ -54,14 +74,16 @@ def test_multi_step():
 
 
 def test_state_dict_is_plain_and_resumes(tmp_path):
-    opt, sched = _sched(LR=0.002, MAX_EPOCH=10, LR_SCHEDULER="cosine", WARMUP_EPOCH=1,
-                        WARMUP_TYPE="constant")
+    opt, sched = _sched(
+        LR=0.002, MAX_EPOCH=10, LR_SCHEDULER="cosine", WARMUP_EPOCH=1, WARMUP_TYPE="constant"
+    )
     for _ in range(4):
         sched.step()
     path = tmp_path / "s.pt"
     torch.save(sched.state_dict(), path)
-    opt2, sched2 = _sched(LR=0.002, MAX_EPOCH=10, LR_SCHEDULER="cosine", WARMUP_EPOCH=1,
-                          WARMUP_TYPE="constant")
+    opt2, sched2 = _sched(
+        LR=0.002, MAX_EPOCH=10, LR_SCHEDULER="cosine", WARMUP_EPOCH=1, WARMUP_TYPE="constant"
+    )
     sched2.load_state_dict(torch.load(path, weights_only=True))
     assert _lrs(opt2, sched2, 6) == pytest.approx(_lrs(opt, sched, 6))
 

@@ -99,7 +99,9 @@ class PromptLearner(nn.Module):
         self.register_buffer("token_suffix", emb[:, 1 + n_ctx :, :], persistent=False)  # CLS . EOS
         self.register_buffer("eot_idx", eot.to(emb.device), persistent=False)
         self.register_buffer(
-            "order", self._token_order(n_ctx, class_token_position, tokens.shape[1]), persistent=False
+            "order",
+            self._token_order(n_ctx, class_token_position, tokens.shape[1]),
+            persistent=False,
         )
         self.n_cls, self.n_ctx = n_cls, n_ctx
         self.class_token_position = class_token_position

@@ -233,9 +233,7 @@ def save_split(train, val, test, filepath: str, path_prefix: str) -> None:
             out.append((impath, item.label, item.classname))
         return out
 
-    write_json(
-        {"train": _extract(train), "val": _extract(val), "test": _extract(test)}, filepath
-    )
+    write_json({"train": _extract(train), "val": _extract(val), "test": _extract(test)}, filepath)
 
 
 def split_trainval(trainval, p_val: float = 0.2, rng=None):
@@ -307,9 +305,7 @@ def subsample_classes(*args, subsample: str = "all"):
         subsample: "all" | "base" | "new".
     """
     if subsample not in ("all", "base", "new"):
-        raise ValueError(
-            f"DATASET.SUBSAMPLE_CLASSES must be all, base or new; got {subsample!r}"
-        )
+        raise ValueError(f"DATASET.SUBSAMPLE_CLASSES must be all, base or new; got {subsample!r}")
     if subsample == "all":
         return args if len(args) > 1 else args[0]
     labels = sorted({item.label for item in args[0]})

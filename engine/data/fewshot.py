@@ -22,7 +22,7 @@ import random
 
 from engine.utils import mkdir_if_missing, read_json, write_json
 
-from .base import Datum, DatasetBase
+from .base import DatasetBase, Datum
 
 logger = logging.getLogger(__name__)
 
