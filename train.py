@@ -18,8 +18,8 @@ Examples::
         DATASET.SUBSAMPLE_CLASSES new
 
 Config merge order (as in CoOp): defaults, trainer keys, --dataset-config-file, --config-file,
-the flags below, then the trailing KEY VALUE options. Re-running into an existing output folder
-resumes from its last checkpoint.
+--optim-config-file, the flags below, then the trailing KEY VALUE options. Re-running into an
+existing output folder resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config-file", type=str, default="", help="trainer config file")
     parser.add_argument("--dataset-config-file", type=str, default="", help="dataset config file")
+    parser.add_argument(
+        "--optim-config-file",
+        type=str,
+        default="",
+        help="optimizer config file merged after --config-file, e.g. "
+        "configs/optim/CoOp/sample.yaml (the paper's values for that trainer)",
+    )
     parser.add_argument("--trainer", type=str, default="", help="trainer name, e.g. CoOp")
     parser.add_argument("--backbone", type=str, default="", help="CLIP backbone, e.g. ViT-B/16")
     parser.add_argument("--head", type=str, default="", help="head name (Dassl compatibility)")
@@ -107,6 +114,8 @@ def setup_cfg(args):
         merge_from_file(cfg, args.dataset_config_file)
     if args.config_file:
         merge_from_file(cfg, args.config_file)
+    if getattr(args, "optim_config_file", ""):
+        merge_from_file(cfg, args.optim_config_file)
     reset_cfg(cfg, args)
     opts = list(args.opts or [])
     if opts and opts[0] == "--":
