@@ -55,7 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--transforms", type=str, nargs="+", help="training transforms (INPUT.TRANSFORMS)"
     )
-    parser.add_argument("--config-file", type=str, default="", help="trainer config file")
+    parser.add_argument(
+        "--config-file",
+        type=str,
+        nargs="+",
+        default=[],
+        help="trainer config file(s), merged in order (later files override earlier ones, e.g. "
+        "a per-dataset overlay after the trainer's main config)",
+    )
     parser.add_argument("--dataset-config-file", type=str, default="", help="dataset config file")
     parser.add_argument(
         "--optim-config-file",
@@ -112,8 +119,9 @@ def setup_cfg(args):
     cfg = get_cfg_default()
     if args.dataset_config_file:
         merge_from_file(cfg, args.dataset_config_file)
-    if args.config_file:
-        merge_from_file(cfg, args.config_file)
+    config_files = [args.config_file] if isinstance(args.config_file, str) else args.config_file
+    for path in config_files or []:
+        merge_from_file(cfg, path)
     if getattr(args, "optim_config_file", ""):
         merge_from_file(cfg, args.optim_config_file)
     reset_cfg(cfg, args)
