@@ -82,7 +82,8 @@ def test_train_then_evaluate_new_classes(tmp_path, dtd_root, tiny_clip_opts):
 
 def test_resume_after_interruption_matches_uninterrupted(tmp_path, dtd_root, tiny_clip_opts):
     full = str(tmp_path / "full")
-    extra = ["OPTIM.MAX_EPOCH", "4", "TRAIN.CHECKPOINT_FREQ", "1", "OPTIM.SAM.NAME", ""]
+    # SAMPLe: the resumed run needs the momentum and the moving average from the checkpoint
+    extra = ["OPTIM.MAX_EPOCH", "4", "TRAIN.CHECKPOINT_FREQ", "1", "OPTIM.SAM.NAME", "sample"]
     run_train(_args(dtd_root, full, tiny_clip_opts, *extra))
     # the same run "killed" after epoch 2: later checkpoints gone, pointer at epoch 2
     cut = str(tmp_path / "cut")
