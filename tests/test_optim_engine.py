@@ -22,7 +22,10 @@ SHARPNESS = [n for n in OPTIMIZER_REGISTRY if OPTIMIZER_REGISTRY.get(n).kind == 
 
 
 def test_registry_metadata():
+    from test_optim import HPARAMS, NAMES
+
     assert set(SHARPNESS) == {"sam", "fsam", "sagm", "sample"}
+    assert set(SHARPNESS) == set(NAMES) == set(HPARAMS), "every optimizer in the math suite"
     for name in SHARPNESS:
         spec = OPTIMIZER_REGISTRY.get(name)
         assert spec.needs_closure and spec.description
