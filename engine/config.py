@@ -78,6 +78,10 @@ _C.DATALOADER = CN()
 _C.DATALOADER.NUM_WORKERS = 4  # worker processes per loader (0: load in the main process)
 _C.DATALOADER.K_TRANSFORMS = 1  # number of augmented views returned per training image
 _C.DATALOADER.RETURN_IMG0 = False  # also return the un-augmented image as "img0"
+# Decode the training images once and keep them in memory as uint8 tensors (augmentation still
+# runs every epoch; the batches are identical to decoding every epoch, only faster)
+_C.DATALOADER.CACHE_DECODED = True
+_C.DATALOADER.CACHE_DECODED_MB = 4096  # memory budget (MB); images beyond it are decoded each time
 _C.DATALOADER.TRAIN_X = CN()
 _C.DATALOADER.TRAIN_X.SAMPLER = "RandomSampler"  # RandomSampler | SequentialSampler
 _C.DATALOADER.TRAIN_X.BATCH_SIZE = 32  # training batch size
@@ -164,6 +168,11 @@ _C.TEST.COMPUTE_CMAT = False  # also save the confusion matrix (cmat.pt)
 _C.TEST.NO_TEST = False  # skip the final test after training
 _C.TEST.SPLIT = "test"  # split for the final evaluation: test | val
 _C.TEST.FINAL_MODEL = "last_step"  # model to test after training: last_step | best_val
+# Trainers with a frozen image encoder (zero-shot CLIP, CoOp, CoCoOp, TCP) reuse the evaluation
+# images' features from an on-disk cache keyed by the CLIP weights' hash, precision, dataset,
+# split, image list and test transform; a changed key never reuses a stale cache.
+_C.TEST.FEATURE_CACHE = True
+_C.TEST.FEATURE_CACHE_DIR = ""  # empty: $SAMPLE_PL_CACHE/eval_features (~/.cache/sample-pl/...)
 
 ###########################
 # Trainer

@@ -35,6 +35,13 @@ import optim  # attributes are read at call time (optim imports engine.registry)
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import DataManager
 from .evaluator import build_evaluator
+from .feature_cache import (
+    FeatureCache,
+    cache_key,
+    compute_features,
+    data_fingerprint,
+    module_fingerprint,
+)
 from .utils import AverageMeter, MetricMeter, epoch_seed, mkdir_if_missing, set_random_seed
 
 logger = logging.getLogger(__name__)
@@ -479,6 +486,19 @@ class SimpleTrainer(TrainerBase):
     def after_test(self) -> None:
         """Called once after an evaluation loop (e.g. to drop cached features)."""
 
+    def frozen_image_encoder(self) -> nn.Module | None:
+        """The frozen image encoder whose raw output alone feeds the evaluation logits, or None.
+
+        Trainers that return it (zero-shot CLIP, CoOp, CoCoOp, TCP) implement
+        :meth:`model_inference_features`; the engine then encodes each evaluation set once and
+        reuses the features from the on-disk cache (``TEST.FEATURE_CACHE``).
+        """
+        return None
+
+    def model_inference_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits from raw frozen image features ``[batch, dim]`` (see frozen_image_encoder)."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def test(self, split: str | None = None) -> float:
         """Evaluate on ``split`` (default TEST.SPLIT) and return the first metric (accuracy)."""
@@ -490,13 +510,22 @@ class SimpleTrainer(TrainerBase):
         else:
             split, loader = "test", self.test_loader
         logger.info("Evaluate on the *%s* set", split)
+        encoder = self.frozen_image_encoder()
         self.before_test()
         try:
-            for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
-                input, label = self.parse_batch_test(batch)
-                with self.autocast():
-                    output = self.model_inference(input)
-                self.evaluator.process(output.float(), label)
+            if encoder is not None:
+                features, labels = self._eval_features(encoder, loader, split)
+                step = loader.batch_size or 100
+                for i in range(0, len(labels), step):
+                    with self.autocast():
+                        output = self.model_inference_features(features[i : i + step])
+                    self.evaluator.process(output.float(), labels[i : i + step])
+            else:
+                for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
+                    input, label = self.parse_batch_test(batch)
+                    with self.autocast():
+                        output = self.model_inference(input)
+                    self.evaluator.process(output.float(), label)
         finally:
             self.after_test()
         results = self.evaluator.evaluate()
@@ -504,6 +533,37 @@ class SimpleTrainer(TrainerBase):
             self.write_scalar(f"{split}/{k}", v, self.epoch)
         self.flush_scalars()
         return list(results.values())[0]
+
+    def _eval_features(self, encoder: nn.Module, loader, split: str):
+        """Raw features of the evaluation images: from the disk cache or computed (and cached)."""
+        cfg = self.cfg
+        dtype = compute_dtype(encoder)
+
+        def encode(images):
+            return encoder(images.to(dtype))
+
+        cache = FeatureCache(cfg.TEST.FEATURE_CACHE_DIR) if cfg.TEST.FEATURE_CACHE else None
+        key = None
+        if cache is not None:
+            key = cache_key(
+                weights=module_fingerprint(encoder),
+                precision=self.prec,
+                device=self.device.type,
+                dataset=cfg.DATASET.NAME,
+                split=split,
+                data=data_fingerprint(loader.dataset.data_source),
+                transform=repr(loader.dataset.transform),
+            )
+            hit = cache.load(key)
+            if hit is not None:
+                logger.info("Evaluation features loaded from %s", cache.path(key))
+                return hit["features"].to(self.device), hit["labels"].to(self.device)
+        wrapped = tqdm(loader, desc=f"encode {split}", leave=False, disable=None)
+        features, labels = compute_features(encode, wrapped, self.device, self.autocast)
+        if cache is not None:
+            cache.save(key, features, labels)
+            logger.info("Evaluation features saved to %s", cache.path(key))
+        return features, labels.to(self.device)
 
     def model_inference(self, input):
         return self.model(input)
@@ -671,6 +731,15 @@ class TrainerX(SimpleTrainer):
         self._check_finite()
         self.flush_scalars()
         self.update_lr()
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a module computes in: that of its first conv/linear weight (fp16 CLIP keeps
+    embeddings and norms in fp32)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            return m.weight.dtype
+    return next(module.parameters()).dtype
 
 
 def _grads_finite(opt) -> bool:

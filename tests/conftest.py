@@ -14,6 +14,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+if "SAMPLE_PL_CACHE" not in os.environ:  # caches of the tests never go to the home folder
+    import tempfile
+
+    os.environ["SAMPLE_PL_CACHE"] = tempfile.mkdtemp(prefix="sample-pl-test-cache-")
 
 
 @pytest.fixture(scope="session")

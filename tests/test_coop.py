@@ -125,8 +125,9 @@ def test_only_context_trains_and_frozen_work_runs_once(tmp_path, dtd_root, tiny_
     tr.train()
     n_steps = len(tr.train_loader_x)
     n_test_batches = len(tr.test_loader)
-    # one image encoding per step and per test batch; one text encoding per step and per test
-    assert calls["image"] == n_steps + n_test_batches
+    # one image encoding per step (the test set goes through the frozen-feature path);
+    # one text encoding per step and one per evaluation
+    assert calls["image"] == n_steps and n_test_batches > 0
     assert calls["text"] == n_steps + 1
 
 

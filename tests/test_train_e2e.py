@@ -119,7 +119,7 @@ def test_seed_zero_is_a_seed(tmp_path, dtd_root, tiny_clip_opts):
         (["--trainer", "CoOpp"], r"Unknown trainer 'CoOpp' \(do you mean \[CoOp\]\?\)"),
         (["OPTIM.LRR", "0.1"], r"Unknown config key 'OPTIM.LRR'.*do you mean OPTIM.LR"),
         (["OPTIM.MAX_EPOCH", "many"], r"OPTIM.MAX_EPOCH expects an int"),
-        (["--root", "/nonexistent/data"], r"folder not found: /nonexistent/data/dtd/images"),
+        (["--root", "/nonexistent/data"], r"DescribableTextures.*/nonexistent/data.*dtd/images"),
         (["MODEL.BACKBONE.PATH", "/nonexistent/clip.pt"], r"MODEL.BACKBONE.PATH does not exist"),
     ],
 )

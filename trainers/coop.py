@@ -198,6 +198,13 @@ class PromptTrainer(TrainerX):
     def model_inference(self, image):
         return self.model.logits(self.model.encode_image(image), self._text_features)
 
+    def frozen_image_encoder(self):
+        return self.model.image_encoder
+
+    def model_inference_features(self, features):
+        features = features / features.norm(dim=-1, keepdim=True)
+        return self.model.logits(features, self._text_features)
+
 
 @TRAINER_REGISTRY.register()
 class CoOp(PromptTrainer):

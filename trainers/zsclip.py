@@ -102,6 +102,14 @@ class ZeroshotCLIP(TrainerX):
     def model_inference(self, image):
         return self.model(image)
 
+    def frozen_image_encoder(self):
+        return self.model.image_encoder
+
+    def model_inference_features(self, features):
+        features = features.float()
+        features = features / features.norm(dim=-1, keepdim=True)
+        return self.model.logit_scale.exp() * features @ self.model.text_features.t()
+
     def train(self):
         raise RuntimeError(f"{type(self).__name__} has nothing to train: use --eval-only")
 

@@ -196,7 +196,7 @@ class DataManager:
         self.tfm_train, self.tfm_test = tfm_train, tfm_test
 
         images = None
-        if dataset.train_x and getattr(cfg.DATALOADER, "CACHE_DECODED", False):
+        if dataset.train_x and cfg.DATALOADER.CACHE_DECODED:
             from .image_cache import DecodedImageCache
 
             images = DecodedImageCache.build(cfg, dataset.train_x)
