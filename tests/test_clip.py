@@ -127,3 +127,13 @@ def test_random_weights_need_explicit_flag(tiny_clip):
     )
     model = load_clip(cfg)
     assert isinstance(model, type(build_clip(TINY_CLIP_CONFIG)))
+
+
+def test_weights_found_in_openai_cache(tmp_path, monkeypatch):
+    from engine.clip import find_weights
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".cache" / "clip").mkdir(parents=True)
+    (tmp_path / ".cache" / "clip" / "ViT-B-16.pt").write_bytes(b"x")
+    path, searched = find_weights(make_cfg(["--backbone", "ViT-B/16"]))
+    assert path == str(tmp_path / ".cache" / "clip" / "ViT-B-16.pt") and searched == [path]

@@ -32,3 +32,41 @@ def test_expected_names_registered():
     assert "DescribableTextures" in DATASET_REGISTRY
     with pytest.raises(RegistryError, match=r"do you mean \[CoOp\]"):
         TRAINER_REGISTRY.get("coop")
+
+
+def test_engine_top_level_api(dtd_root):
+    """Like Dassl: get_cfg_default, build_dataset and build_trainer at the package's top level."""
+    from engine import build_dataset, build_trainer, get_cfg_default
+
+    cfg = get_cfg_default()
+    cfg.DATASET.NAME = "DescribableTextures"
+    cfg.DATASET.ROOT = dtd_root
+    ds = build_dataset(cfg)
+    assert ds.num_classes == 7 and len(ds.classnames) == 7 and ds.train_x and ds.test
+    assert ds.lab2cname[0] == ds.classnames[0]
+    assert callable(build_trainer)
+
+
+def test_train_py_help():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0
+    for flag in (
+        "--root",
+        "--seed",
+        "--eval-only",
+        "--model-dir",
+        "--load-epoch",
+        "--no-train",
+        "--dataset-config-file",
+        "--config-file",
+        "--optim-config-file",
+        "--backbone",
+    ):
+        assert flag in out.stdout
