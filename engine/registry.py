@@ -72,10 +72,11 @@ class Registry:
     def unknown_message(self, name: str) -> str:
         names = self.registered_names()
         msg = f"Unknown {self._name} '{name}'"
-        close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
-        if not close:  # case-insensitive second chance: 'coop' -> 'CoOp'
-            lower = {n.lower(): n for n in names}
-            close = [lower[name.lower()]] if name.lower() in lower else []
+        lower = {n.lower(): n for n in names}
+        if name.lower() in lower:  # a case slip: 'coop' -> 'CoOp'
+            close = [lower[name.lower()]]
+        else:
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.4)
         if close:
             msg += f" (do you mean [{close[0]}]?)"
         msg += f". Available {self._name}s: {', '.join(sorted(names)) or '(none)'}"
