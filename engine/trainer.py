@@ -569,7 +569,8 @@ class SimpleTrainer(TrainerBase):
         return self.model(input)
 
     def parse_batch_test(self, batch):
-        return batch["img"].to(self.device), batch["label"].to(self.device)
+        dev = self.device
+        return batch["img"].to(dev, non_blocking=True), batch["label"].to(dev, non_blocking=True)
 
 
 class TrainerX(SimpleTrainer):
@@ -577,7 +578,8 @@ class TrainerX(SimpleTrainer):
 
     # -- the step protocol ------------------------------------------------------------------
     def parse_batch_train(self, batch):
-        return batch["img"].to(self.device), batch["label"].to(self.device)
+        dev = self.device
+        return batch["img"].to(dev, non_blocking=True), batch["label"].to(dev, non_blocking=True)
 
     def prepare_step(self, batch_inputs):
         """(a) The work of a step that does not depend on learnable parameters.
