@@ -1,45 +1,43 @@
-"""DescribableTextures (DTD), CoOp layout: ``dtd/images/<class>/*.jpg`` and
-``dtd/split_zhou_DescribableTextures.json`` (generated 50/20/30 per class when missing)."""
+"""DescribableTextures (DTD): ``dtd/images/<class>/*.jpg``, 47 classes named by their folders;
+``split_zhou_DescribableTextures.json`` (generated 50/20/30 per class when absent)."""
 
 from __future__ import annotations
 
-import os.path as osp
-import random
-
-from engine.data import (
-    DatasetBase,
-    fewshot_and_subsample,
-    read_and_split_data,
-    read_split,
-    require_dir,
-    save_split,
-)
+from engine.data import read_and_split_data
 from engine.registry import DATASET_REGISTRY
 
-HOW_TO_GET = (
-    "Download DTD (dtd-r1.0.1.tar.gz, https://www.robots.ox.ac.uk/~vgg/data/dtd/) and extract "
-    "it under DATASET.ROOT so that dtd/images/<class>/*.jpg exists; put CoOp's "
-    "split_zhou_DescribableTextures.json in dtd/ (or let a first run generate a split)."
+from .common import CoOpDataset, Download, Layout
+
+LAYOUT = Layout(
+    name="DescribableTextures",
+    folder="dtd",
+    required=("images/",),
+    split_file="split_zhou_DescribableTextures.json",
+    class_dirs=("images",),
+    num_classes=47,
+    how=(
+        "Download DTD (dtd-r1.0.1.tar.gz from the VGG page, robots.ox.ac.uk/~vgg/data/dtd/) and "
+        "unpack it in DATASET.ROOT: it creates dtd/images/<texture>/*.jpg. Put CoOp's "
+        "split_zhou_DescribableTextures.json in dtd/ to use the paper's split (without it a "
+        "first run generates and saves one)."
+    ),
+    downloads=(
+        Download(
+            "https://www.robots.ox.ac.uk/~vgg/data/dtd/download/dtd-r1.0.1.tar.gz",
+            "dtd-r1.0.1.tar.gz",
+            extract=True,
+            extract_to="..",
+            provides="images/",
+        ),
+        Download("gdrive:1u3_QfB467jqHgNXC00UIzbLZRQCg2S7x", "split_zhou_DescribableTextures.json"),
+    ),
 )
 
 
 @DATASET_REGISTRY.register()
-class DescribableTextures(DatasetBase):
-    dataset_dir = "dtd"
+class DescribableTextures(CoOpDataset):
+    layout = LAYOUT
+    image_subdir = "images"
 
-    def __init__(self, cfg):
-        root = osp.abspath(osp.expanduser(cfg.DATASET.ROOT))
-        self.dataset_dir = osp.join(root, self.dataset_dir)
-        self.image_dir = osp.join(self.dataset_dir, "images")
-        self.split_path = osp.join(self.dataset_dir, "split_zhou_DescribableTextures.json")
-        require_dir(self.image_dir, "DescribableTextures", HOW_TO_GET)
-
-        if osp.exists(self.split_path):
-            train, val, test = read_split(self.split_path, self.image_dir)
-        else:
-            rng = random.Random(cfg.SEED if cfg.SEED >= 0 else 0)
-            train, val, test = read_and_split_data(self.image_dir, rng=rng)
-            save_split(train, val, test, self.split_path, self.image_dir)
-
-        train, val, test = fewshot_and_subsample(self, cfg, train, val, test)
-        super().__init__(train_x=train, val=val, test=test)
+    def generate_split(self, rng):
+        return read_and_split_data(self.image_dir, rng=rng)

@@ -68,10 +68,16 @@ class _DatumUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected object {module}.{name} in a few-shot cache")
 
 
+def load_datum_pickle(path: str):
+    """Unpickle a file that may hold only plain containers, numbers, strings and Datum objects
+    (Dassl's ``Datum`` is mapped to this project's); anything else raises UnpicklingError."""
+    with open(path, "rb") as f:
+        return _DatumUnpickler(f).load()
+
+
 def load_coop_fewshot_pickle(path: str) -> dict:
     """Load a CoOp ``shot_{k}-seed_{s}.pkl`` (``{"train": [Datum], "val": [Datum]}``)."""
-    with open(path, "rb") as f:
-        data = _DatumUnpickler(f).load()
+    data = load_datum_pickle(path)
     if not isinstance(data, dict) or "train" not in data:
         raise pickle.UnpicklingError(f"{path} does not hold a CoOp few-shot dict")
     return data

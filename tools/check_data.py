@@ -1,0 +1,143 @@
+"""Check dataset folders against the layouts the readers expect.
+
+Usage::
+
+    python tools/check_data.py --root DATA                     # the paper's 15 datasets
+    python tools/check_data.py --root DATA Caltech101 eurosat  # reader, config or folder names
+
+Prints one row per dataset: ``ready``, ``partial`` (some pieces or class folders missing) or
+``missing`` (nothing there), what is missing, and below the table how to obtain each dataset
+that is not ready. Exits with status 1 if any requested dataset is partial or missing. A
+registered reader that declares no layout is reported as ``unchecked`` (its reader checks its
+data at start-up).
+
+The expected layouts are the ``LAYOUT`` declarations of the readers in ``datasets/``; the readers
+check the same thing at start-up. ``check_dataset(root, name)`` is the importable form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os.path as osp
+import sys
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+if ROOT not in sys.path:  # run as `python tools/check_data.py`
+    sys.path.insert(0, ROOT)
+
+from tabulate import tabulate  # noqa: E402
+
+from datasets import PAPER_DATASETS  # noqa: E402
+from datasets.common import Layout  # noqa: E402
+from engine.registry import DATASET_REGISTRY  # noqa: E402
+
+READY, PARTIAL, MISSING = "ready", "partial", "missing"
+UNCHECKED = "unchecked"  # a registered reader without a declared layout (it checks at start-up)
+HOW = "how to get it: "  # prefix of the details line that says how to obtain the dataset
+
+
+def find_layout(name: str) -> Layout | None:
+    """The layout of a dataset given by reader name (``Caltech101``), config / module name
+    (``caltech101``) or folder name (``caltech-101``), case-insensitively; None for a registered
+    reader that declares no layout.
+
+    Raises:
+        KeyError: no reader matches; the message lists the known names.
+    """
+    known: dict[str, Layout | None] = {}
+    for reg_name in DATASET_REGISTRY:
+        cls = DATASET_REGISTRY.get(reg_name)
+        layout = getattr(cls, "layout", None)
+        layout = layout if isinstance(layout, Layout) else None
+        keys = [reg_name, cls.__module__.rsplit(".", 1)[-1]] + ([layout.folder] if layout else [])
+        for key in keys:
+            known.setdefault(key.lower(), layout)
+    if name.lower() not in known:
+        raise KeyError(
+            f"Unknown dataset '{name}'; known: {', '.join(DATASET_REGISTRY)} (or their config "
+            "file or folder names)"
+        )
+    return known[name.lower()]
+
+
+def check_dataset(root: str, name: str) -> tuple[str, list[str]]:
+    """Check one dataset's folder under ``root``.
+
+    Args:
+        root: the dataset root (DATASET.ROOT).
+        name: reader, config or folder name of the dataset.
+
+    Returns:
+        ``(status, details)``: status is "ready", "partial" or "missing" ("unchecked" for a
+        reader that declares no layout); details are lines saying what is missing or worth
+        knowing, and for a dataset that is partial or missing a last line starting with
+        "how to get it: ".
+
+    Raises:
+        KeyError: ``name`` is not a registered dataset.
+    """
+    layout = find_layout(name)
+    if layout is None:
+        return UNCHECKED, ["declares no layout: not checked here (its reader checks at start-up)"]
+    how = HOW + layout.how
+    if not osp.isdir(layout.dir(root)):
+        return MISSING, [f"{layout.folder}/ not found", how]
+    missing = layout.missing(root)
+    if not any(layout.find(root, e) for e in layout.required):
+        return MISSING, [f"missing: {m}" for m in missing] + [how]
+    problems = [f"missing: {m}" for m in missing] + layout.class_count_problems(root)
+    if problems:
+        return PARTIAL, problems + [how]
+    notes = []
+    if layout.split_file and not layout.has_split_file(root):
+        notes.append(
+            f"{layout.split_file} absent: a first run generates and saves a split (not the "
+            "paper's; get CoOp's file for comparable numbers)"
+        )
+    for entry in layout.required:
+        if isinstance(entry, tuple):
+            found = layout.find(root, entry)
+            notes.append(f"using {osp.relpath(found, osp.abspath(osp.expanduser(root)))}")
+    return READY, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check dataset folders (CoOp layouts).")
+    parser.add_argument("--root", required=True, help="the dataset root (DATASET.ROOT)")
+    parser.add_argument(
+        "names", nargs="*", help=f"datasets to check (default: all {len(PAPER_DATASETS)})"
+    )
+    args = parser.parse_args(argv)
+    names = args.names or list(PAPER_DATASETS)
+    try:
+        layouts = {n: find_layout(n) for n in names}
+    except KeyError as e:
+        parser.error(str(e.args[0]))
+
+    rows, hows = [], []
+    for name, layout in layouts.items():
+        status, details = check_dataset(args.root, name)
+        name, folder = (layout.name, layout.folder + "/") if layout else (name, "")
+        lines = [d for d in details if not d.startswith(HOW)]
+        hows += [f"{name}: {d[len(HOW) :]}" for d in details if d.startswith(HOW)]
+        rows.append([name, folder, status, "\n".join(lines)])
+    print(f"Datasets under {osp.abspath(osp.expanduser(args.root))}:")
+    print(
+        tabulate(
+            rows,
+            headers=["dataset", "folder", "status", "details"],
+            tablefmt="simple_grid",
+            maxcolwidths=[None, None, None, 70],
+        )
+    )
+    if hows:
+        print("\nHow to get what is missing:")
+        for line in hows:
+            print(f"- {line}")
+    not_ready = sum(row[2] in (MISSING, PARTIAL) for row in rows)
+    print(f"\n{sum(row[2] == READY for row in rows)} of {len(rows)} ready")
+    return 1 if not_ready else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
