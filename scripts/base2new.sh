@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Base-to-new generalization on one dataset: train on its base classes (SHOTS shots per class;
+# the test at the end of training gives the Base accuracy), then evaluate that model on the new
+# classes, for every seed in SEEDS. Settings: see scripts/common.sh.
+#
+# Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]
+#   DATASET: a config stem of configs/datasets/ (dtd, eurosat, imagenet, ...) or "all" (the 11)
+#
+#   DATA=/data TRAINER=CoOp OPTIM=sample bash scripts/base2new.sh dtd
+#   DATA=/data OPTIM="sgd sample" SEEDS=1 bash scripts/base2new.sh --gpus=auto all
+#   TRAINER=MaPLe bash scripts/base2new.sh --dry-run --commands eurosat
+#   DATA=/data bash scripts/base2new.sh dtd MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
+#
+# Folders: OUTPUT/base2new/{train_base,test_new}/DATASET/shots_SHOTS/TRAINER/CFG[+OPTIM]/seedN
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+split_args "$@"
+if [[ ${#REST[@]} -eq 0 || "${REST[0]}" == *.* ]]; then
+  echo "Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]" >&2
+  echo "  DATASET: a name in configs/datasets/ (e.g. dtd) or 'all'" >&2
+  exit 2
+fi
+DATASET="${REST[0]}"
+OPTS=("${REST[@]:1}")
+if [[ "$DATASET" == all ]]; then
+  run_grid --protocols base2new
+else
+  run_grid --protocols base2new --datasets "$DATASET"
+fi

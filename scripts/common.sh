@@ -1,0 +1,44 @@
+# Shared by base2new.sh, cross_dataset.sh and domain_gen.sh (sourced, not run).
+#
+# The scripts turn environment variables into a tools/grid.py command and run it: grid.py prints
+# the runs and their folders, checks the data, configs and CLIP weights, skips finished runs,
+# resumes interrupted ones and then runs train.py. The layout is in tools/protocols.py.
+#
+# Environment [default]:
+#   DATA     dataset root, the folder holding dtd/, imagenet/, ... (required unless --dry-run)
+#   TRAINER  [CoOp]    one or more trainers, space-separated (CoOp CoCoOp MaPLe CoPrompt TCP)
+#   OPTIM    [sample]  one or more of sgd sam fsam sagm sample (sgd = the trainer's own optimizer)
+#   CFG      [the trainer's paper config]  a name in configs/trainers/<TRAINER>/ (one trainer)
+#   SEEDS    [1 2 3]   SHOTS [16]   OUTPUT [output]
+#   TAG      []        folder suffix for runs whose extra options change the experiment
+#   PYTHON   [python]
+# Arguments: [grid.py options such as --dry-run --commands --gpus=auto --quiet] ...
+#            [KEY VALUE ...]  config options for every train.py run (e.g. MODEL.BACKBONE.PATH f)
+
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# split_args "$@": leading --options -> GRID_FLAGS, the rest -> REST
+split_args() {
+  GRID_FLAGS=()
+  while [[ $# -gt 0 && "$1" == --* ]]; do
+    GRID_FLAGS+=("$1")
+    shift
+  done
+  REST=("$@")
+}
+
+# run_grid GRID_ARGS...: run tools/grid.py with the environment's settings, GRID_ARGS, the
+# leading options and the KEY VALUE options in OPTS
+run_grid() {
+  local cmd=("${PYTHON:-python}" "$REPO/tools/grid.py")
+  # shellcheck disable=SC2206  # TRAINER/OPTIM/SEEDS are space-separated lists
+  cmd+=(--trainers ${TRAINER:-CoOp} --optims ${OPTIM:-sample} --seeds ${SEEDS:-1 2 3})
+  cmd+=(--shots "${SHOTS:-16}" --output "${OUTPUT:-output}" --data "${DATA:-}")
+  if [[ -n "${CFG:-}" ]]; then cmd+=(--cfg "$CFG"); fi
+  if [[ -n "${TAG:-}" ]]; then cmd+=(--tag "$TAG"); fi
+  cmd+=("$@" ${GRID_FLAGS[@]+"${GRID_FLAGS[@]}"})
+  if [[ ${#OPTS[@]} -gt 0 ]]; then cmd+=(-- "${OPTS[@]}"); fi
+  echo "+ ${cmd[*]}"
+  exec "${cmd[@]}"
+}

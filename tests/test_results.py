@@ -1,0 +1,318 @@
+"""The paper's numbers as data, the log parser and the result tables (no train.py runs)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import os.path as osp
+import statistics
+
+import pytest
+
+from tools import make_tables
+from tools.paper_results import (
+    BASE2NEW_DATASETS,
+    CROSS_DATASET_TARGETS,
+    DOMAIN_GEN_TARGETS,
+    OPTIMIZERS,
+    PAPER_CSV,
+    TRAINERS,
+    load_paper_results,
+    paper_value,
+)
+from tools.parse_results import collect_seeds, log_files, parse_log, read_run
+from tools.parse_results import main as parse_main
+from tools.protocols import Setup, base2new_dirs, cfg_component, transfer_dirs
+
+# -- logs in the CoOp code base's format -------------------------------------------------------
+ARGS = "***************\n** Arguments **\n***************\nbackbone: \neval_only: {}\nseed: 1\n"
+RESULT = "=> result\n* total: 1,692\n* correct: 1,100\n* accuracy: {}%\n* error: 35.0%\n"
+
+
+def train_log(acc=None, end="Finish training", val_acc=None) -> str:
+    """A training log; ``val_acc`` adds a mid-training evaluation block before the end."""
+    text = ARGS.format(False) + "epoch [1/2] batch [5/5] loss 1.2 acc 50.0 lr 2e-3\n"
+    if val_acc is not None:
+        text += "Evaluate on the *val* set\n" + RESULT.format(val_acc)
+    if acc is not None:
+        text += f"Checkpoint saved to x/prompt_learner/model.pth.tar-2\n{end}\n"
+        text += "Evaluate on the *test* set\n" + RESULT.format(acc) + "Elapsed: 0:00:03\n"
+    return text
+
+
+def eval_log(acc=None) -> str:
+    text = ARGS.format(True) + "Loading weights to prompt_learner from x (epoch = 2)\n"
+    return text + (RESULT.format(acc) if acc is not None else "Evaluate on the *test* set\n")
+
+
+def write_run(run_dir: str, text: str, name: str = "log.txt") -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(osp.join(run_dir, name), "w") as f:
+        f.write(text)
+
+
+# -- the paper's numbers ------------------------------------------------------------------------
+def test_paper_data_hand_checked_cells():
+    """Cells read off the LaTeX tables by hand."""
+    assert paper_value("base2new", "CoOp", "sgd", "average", "base") == 82.69
+    assert paper_value("base2new", "TCP", "sample", "average", "hm") == 81.95
+    assert paper_value("base2new", "CoOp", "sample", "dtd", "base") == 78.12
+    assert paper_value("base2new", "CoOp", "sample", "dtd", "new") == 63.04
+    assert paper_value("base2new", "CoOp", "sample", "dtd", "hm") == 69.77
+    assert paper_value("base2new", "CoCoOp", "sgd", "stanford_cars", "new") == 73.59
+    assert paper_value("base2new", "MaPLe", "sam", "average", "hm") == 79.42  # printed "SAM"
+    assert paper_value("base2new", "MaPLe", "sample", "sun397", "new") == 80.48
+    assert paper_value("base2new", "CoPrompt", "sagm", "oxford_pets", "new") == 99.25
+    assert paper_value("base2new", "TCP", "fsam", "fgvc_aircraft", "base") == 42.05
+    assert paper_value("base2new", "CoOp", "sgd", "ucf101", "new") == 56.05
+    assert paper_value("cross_dataset", "CoOp", "sample", "fgvc_aircraft") == 23.61
+    assert paper_value("cross_dataset", "MaPLe", "sample", "eurosat") == 53.12
+    assert paper_value("cross_dataset", "TCP", "sgd", "imagenet") == 71.40
+    assert paper_value("domain_gen", "TCP", "sgd", "imagenet") == 71.20
+    assert paper_value("domain_gen", "CoCoOp", "sample", "imagenet") == 71.03  # printed "71,03"
+    assert paper_value("domain_gen", "CoPrompt", "sample", "imagenet_sketch") == 50.28
+    assert paper_value("ablation", "CoPrompt", "sagm", "average", "new") == 78.47
+    assert paper_value("cross_dataset", "CoOp", "sam", "dtd") is None  # not in the paper
+
+
+def test_paper_data_is_complete():
+    data = load_paper_results()
+    for trainer in TRAINERS:
+        for optim in OPTIMIZERS:
+            for d in ("average", *BASE2NEW_DATASETS):
+                for m in ("base", "new", "hm"):
+                    assert ("base2new", trainer, optim, d, m) in data
+        for optim in ("sgd", "sample"):
+            for d in ("imagenet", *CROSS_DATASET_TARGETS, "average"):
+                assert ("cross_dataset", trainer, optim, d, "acc") in data
+            for d in ("imagenet", *DOMAIN_GEN_TARGETS, "average"):
+                assert ("domain_gen", trainer, optim, d, "acc") in data
+    assert len(data) == 12 * 25 * 3 + 10 * 12 + 10 * 6 + 4 * 3
+
+
+def test_paper_data_is_self_consistent():
+    """Catches a shifted column or row: HM, averages and the ablation agree with the cells,
+    except for the paper's own inconsistencies listed in tools/paper_results.py."""
+    v = load_paper_results()
+    for trainer in TRAINERS:
+        for optim in OPTIMIZERS:
+            for d in BASE2NEW_DATASETS:
+                b, n, h = (v["base2new", trainer, optim, d, m] for m in ("base", "new", "hm"))
+                assert abs(2 * b * n / (b + n) - h) < 0.12, (trainer, optim, d)
+            for m in ("base", "new"):
+                mean = statistics.fmean(
+                    v["base2new", trainer, optim, d, m] for d in BASE2NEW_DATASETS
+                )
+                off = abs(mean - v["base2new", trainer, optim, "average", m]) > 0.011
+                known = trainer == "TCP" and optim in ("fsam", "sagm", "sample") and m == "base"
+                assert off == known, (trainer, optim, m, mean)
+    for table, targets, known in (
+        ("cross_dataset", CROSS_DATASET_TARGETS, {("CoPrompt", "sample"), ("TCP", "sample")}),
+        ("domain_gen", DOMAIN_GEN_TARGETS, {("CoOp", "sample")}),
+    ):
+        for trainer in TRAINERS:
+            for optim in ("sgd", "sample"):
+                mean = statistics.fmean(v[table, trainer, optim, d, "acc"] for d in targets)
+                off = abs(mean - v[table, trainer, optim, "average", "acc"]) > 0.011
+                assert off == ((trainer, optim) in known), (table, trainer, optim, mean)
+    for optim in ("sgd", "sam", "sagm", "sample"):
+        for m in ("base", "new", "hm"):
+            assert (
+                v["ablation", "CoPrompt", optim, "average", m]
+                == v["base2new", "CoPrompt", optim, "average", m]
+            )
+
+
+def test_paper_data_rejects_bad_files(tmp_path):
+    with open(PAPER_CSV) as f:
+        header, first = f.readline(), f.readline()
+    dup = tmp_path / "dup.csv"
+    dup.write_text(header + first + first)
+    with pytest.raises(ValueError, match="duplicate"):
+        load_paper_results(str(dup))
+    bad = tmp_path / "bad.csv"
+    bad.write_text(header + "base2new,CoOp,sgd,dtd,base,seventy\n")
+    with pytest.raises(ValueError, match="malformed"):
+        load_paper_results(str(bad))
+
+
+# -- parsing logs -------------------------------------------------------------------------------
+def test_parse_log_spellings_and_kinds():
+    assert parse_log(train_log(71.5)) == 71.5
+    assert parse_log(train_log(64.25, end="Finished training")) == 64.25  # CoOp-era spelling
+    assert parse_log(eval_log(55.0)) == 55.0
+    assert parse_log(eval_log(55.0), kind="eval") == 55.0
+    # an interrupted run's mid-training evaluation is not its result
+    assert parse_log(train_log(None, val_acc=40.0)) is None
+    assert parse_log(train_log(70.0, val_acc=40.0)) == 70.0
+    # the last accuracy after the marker wins (e.g. a per-class block then a re-test)
+    assert parse_log(train_log(60.0) + RESULT.format(61.0)) == 61.0
+    assert parse_log("no markers here") is None
+    with pytest.raises(ValueError, match="Unknown log kind"):
+        parse_log("", kind="test")
+
+
+def test_read_run_resumed_and_incomplete(tmp_path):
+    run = str(tmp_path / "seed1")
+    assert read_run(run).status == "missing"
+    os.makedirs(run)
+    assert read_run(run).detail == "no log.txt"
+    write_run(run, train_log(None))  # interrupted
+    result = read_run(run)
+    assert result.status == "no_result" and "last line: epoch [1/2]" in result.detail
+    write_run(run, train_log(72.0), "log.txt-2024-05-01-10-00-00")  # resumed, finished
+    result = read_run(run)
+    assert (result.status, result.accuracy) == ("done", 72.0)
+    assert result.log.endswith("log.txt-2024-05-01-10-00-00")
+    write_run(run, train_log(73.5), "log.txt-2024-05-02-09-00-00")  # re-run: the newest wins
+    assert read_run(run).accuracy == 73.5
+    write_run(run, train_log(None), "log.txt-2024-05-03-09-00-00")  # a later crash
+    assert read_run(run).accuracy == 73.5
+    assert [osp.basename(p) for p in log_files(run)] == [
+        "log.txt",
+        "log.txt-2024-05-01-10-00-00",
+        "log.txt-2024-05-02-09-00-00",
+        "log.txt-2024-05-03-09-00-00",
+    ]
+
+
+def test_seed_statistics_report_missing_and_failed(tmp_path):
+    write_run(str(tmp_path / "seed1"), train_log(70.0))
+    write_run(str(tmp_path / "seed2"), train_log(None))  # failed
+    write_run(str(tmp_path / "seed4"), train_log(74.0))
+    stats = collect_seeds({s: str(tmp_path / f"seed{s}") for s in (1, 2, 3, 4)})
+    assert stats.values == {1: 70.0, 4: 74.0}
+    assert (stats.missing, stats.failed, stats.complete) == ([3], [2], False)
+    assert stats.mean == 72.0 and stats.std == 2.0  # population std, as CoOp's parser
+    assert stats.describe() == "2/4 seeds; missing seed3; no result seed2"
+
+
+def test_parse_results_cli(tmp_path, capsys):
+    group = tmp_path / "base2new/train_base/dtd/shots_16/CoOp/vit_b16_ctxv1"
+    for seed, acc in ((1, 70.0), (2, 72.0)):
+        write_run(str(group / f"seed{seed}"), train_log(acc, end="Finished training"))
+    assert parse_main([str(tmp_path), "--seeds", "1", "2", "3", "--per-run"]) == 0
+    out = capsys.readouterr().out
+    assert "71.00" in out and "1.00" in out and "2/3 seeds; missing seed3" in out
+    assert "incomplete" in out
+    assert parse_main([str(group / "seed1")]) == 0
+    assert "70.00" in capsys.readouterr().out
+
+
+# -- tables -------------------------------------------------------------------------------------
+def _fake_base2new(setup, trainer, optim, dataset, seeds, skip=()):
+    """Seed results spread by 0.3 around the paper's number (their mean)."""
+    comp = cfg_component(setup.cfg_for("base2new", trainer, dataset), optim)
+    for i, seed in enumerate(seeds):
+        train, test = base2new_dirs(setup, dataset, trainer, comp, seed)
+        delta = (i - (len(seeds) - 1) / 2) * 0.3
+        if (dataset, seed, "base") not in skip:
+            acc = paper_value("base2new", trainer, optim, dataset, "base") + delta
+            write_run(train, train_log(acc) if (dataset, seed, "fail") not in skip else "x")
+        if (dataset, seed, "new") not in skip:
+            write_run(
+                test, eval_log(paper_value("base2new", trainer, optim, dataset, "new") + delta)
+            )
+
+
+def _records(tables):
+    rows = csv.DictReader(io.StringIO(make_tables.render(tables, "csv")))
+    return {(r["table"], r["trainer"], r["optimizer"], r["dataset"], r["metric"]): r for r in rows}
+
+
+def test_base2new_tables_against_the_paper(tmp_path):
+    out = str(tmp_path / "output")
+    setup = Setup(output=out)
+    skip = {("eurosat", 3, "new"), ("dtd", 2, "fail")}
+    for optim in ("sgd", "sample"):
+        for d in BASE2NEW_DATASETS:
+            _fake_base2new(setup, "CoOp", optim, d, (1, 2, 3), skip if optim == "sgd" else ())
+    args = make_tables.build_parser().parse_args(["--output", out, "--tables", "base2new"])
+    tables = make_tables.build_tables(args)
+    assert [t.title for t in tables][:2] == [
+        "Base-to-new: average over 11 datasets",
+        "Base-to-new: ImageNet",
+    ]
+    assert len(tables) == 12 and [r[0] for r in tables[0].rows] == ["CoOp", "CoOp+SAMPLe"]
+    rec = _records(tables)
+    dtd = rec["base2new", "CoOp", "sample", "dtd", "base"]
+    assert float(dtd["ours"]) == pytest.approx(78.12) and float(dtd["diff"]) == pytest.approx(0)
+    assert float(dtd["std"]) == pytest.approx(0.2449, abs=1e-4)
+    hm = rec["base2new", "CoOp", "sample", "dtd", "hm"]
+    assert float(hm["ours"]) == pytest.approx(2 * 78.12 * 63.04 / (78.12 + 63.04))
+    # average panel: means of the 11 datasets; HM of the averaged Base and New
+    avg = {m: rec["base2new", "CoOp", "sample", "average", m] for m in ("base", "new", "hm")}
+    b = statistics.fmean(
+        paper_value("base2new", "CoOp", "sample", d, "base") for d in BASE2NEW_DATASETS
+    )
+    n = statistics.fmean(
+        paper_value("base2new", "CoOp", "sample", d, "new") for d in BASE2NEW_DATASETS
+    )
+    assert float(avg["base"]["ours"]) == pytest.approx(b) and abs(float(avg["base"]["diff"])) < 0.01
+    assert float(avg["hm"]["ours"]) == pytest.approx(2 * b * n / (b + n))
+    assert float(avg["hm"]["paper"]) == 78.88  # the paper averages per-dataset HMs here
+    # missing and failed seeds are explicit, never silently averaged
+    eurosat = rec["base2new", "CoOp", "sgd", "eurosat", "new"]
+    assert eurosat["complete"] == "False" and "missing seed3" in eurosat["notes"]
+    assert "no result seed2" in rec["base2new", "CoOp", "sgd", "dtd", "base"]["notes"]
+    assert rec["base2new", "CoOp", "sgd", "average", "base"]["complete"] == "False"
+    text = make_tables.render(tables, "terminal")
+    assert "CoOp EuroSAT new: 2/3 seeds; missing seed3" in text and "*" in text
+    # the other HM convention reproduces the paper's average HM
+    args.avg_hm = "mean-of-hms"
+    rec = _records(make_tables.build_tables(args))
+    assert abs(float(rec["base2new", "CoOp", "sample", "average", "hm"]["diff"])) < 0.011
+
+
+def test_transfer_and_ablation_tables(tmp_path):
+    out = str(tmp_path / "output")
+    setup = Setup(output=out)
+    for optim in ("sgd", "sample"):
+        comp = cfg_component(setup.cfg_for("cross_dataset", "CoOp", "imagenet"), optim)
+        for seed in (1, 2, 3):
+            train, _ = transfer_dirs(setup, "CoOp", comp, seed, "dtd")
+            write_run(train, train_log(paper_value("cross_dataset", "CoOp", optim, "imagenet")))
+            for table, targets in (
+                ("cross_dataset", CROSS_DATASET_TARGETS),
+                ("domain_gen", DOMAIN_GEN_TARGETS[:2]),
+            ):
+                for t in targets:
+                    _, ev = transfer_dirs(setup, "CoOp", comp, seed, t)
+                    write_run(ev, eval_log(paper_value(table, "CoOp", optim, t)))
+    for optim in ("sgd", "sam", "sagm", "sample"):
+        for d in BASE2NEW_DATASETS:
+            _fake_base2new(setup, "CoPrompt", optim, d, (1,))
+    args = make_tables.build_parser().parse_args(["--output", out, "--seeds", "1", "2", "3"])
+    tables = {t.name + t.title: t for t in make_tables.build_tables(args)}
+    xd = tables["cross_datasetCross-dataset"]
+    assert [r[0] for r in xd.rows] == ["CoOp", "CoOp+SAMPLe"]
+    sample_avg = xd.rows[1][-1]
+    assert sample_avg.value == pytest.approx(65.85, abs=0.01) and sample_avg.paper == 65.85
+    dg = tables["domain_genDomain generalization"]
+    assert dg.rows[0][-1].value is None  # two of four targets: no average
+    assert "CoOp Avg: 2/4 datasets, no mean" in dg.notes
+    assert "CoOp imagenet_a: no runs" in dg.notes
+    ablation = tables["ablationTerm-wise ablation (CoPrompt, average)"]
+    assert [r[0] for r in ablation.rows][0] == "L" and len(ablation.rows) == 4
+    assert ablation.rows[3][1].paper == 85.62
+    assert abs(ablation.rows[3][1].diff) < 0.01  # mean of the paper's 11 CoPrompt values
+    assert ablation.rows[3][1].complete is False  # 1 of 3 seeds
+    md = make_tables.render(list(tables.values()), "markdown")
+    assert "### Cross-dataset" in md and "| CoOp+SAMPLe |" in md
+    assert "65.85 (65.85, +0.00)" in md
+    tex = make_tables.render(list(tables.values()), "latex")
+    assert "\\toprule" in tex and "% Domain generalization" in tex
+
+
+def test_make_tables_cli_saves_all_formats(tmp_path, capsys):
+    out = str(tmp_path / "output")
+    _fake_base2new(Setup(output=out), "CoOp", "sample", "dtd", (1,))
+    argv = ["--output", out, "--trainers", "CoOp", "--optims", "sample", "--datasets", "dtd"]
+    assert make_tables.main([*argv, "--seeds", "1", "--save", str(tmp_path / "t"), "--std"]) == 0
+    printed = capsys.readouterr().out
+    assert "Base-to-new: DTD" in printed and "78.12±0.00" in printed
+    assert sorted(os.listdir(tmp_path / "t")) == [
+        f"tables.{e}" for e in ("csv", "md", "tex", "txt")
+    ]
+    assert make_tables.main(["--output", str(tmp_path / "empty")]) == 1

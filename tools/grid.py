@@ -1,0 +1,466 @@
+"""Expand an experiment grid into runs and execute the unfinished ones.
+
+A grid is trainers x optimizers x datasets x seeds x protocols (``base2new``,
+``cross_dataset``, ``domain_gen``); presets hold the paper's grids. Runs are grouped in chains
+(a training run, then the evaluations of its model) and a chain is the unit of scheduling:
+
+- locally, one chain after another (train.py's output streams to the terminal);
+- ``--gpus 0,1,2,3`` (or ``auto``): one worker per GPU (``CUDA_VISIBLE_DEVICES``), each run's
+  output in ``<run dir>/console.txt``, a progress line per run;
+- ``--slurm``: one SLURM job per chain through submitit (optional: ``pip install submitit``).
+
+Finished runs (a result line in their log) are skipped; a run folder without a result is
+re-run into the same folder, where train.py resumes from the last checkpoint. Before anything
+starts, the data (``tools/check_data.py``), the merged configs and the CLIP weights are
+checked. The output layout is described in ``tools/protocols.py``.
+
+Examples::
+
+    python tools/grid.py --preset paper --dry-run                  # 2,100 runs and their folders
+    python tools/grid.py --preset paper --trainers CoOp --gpus auto --data DATA
+    python tools/grid.py --trainers CoOp MaPLe --optims sgd sample --datasets dtd eurosat \\
+        --seeds 1 2 3 --data DATA -- MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
+    python tools/grid.py --preset paper-transfer --slurm --slurm-partition gpu --data DATA
+
+Everything after ``--`` is passed to every train.py command as KEY VALUE options (options that
+change the experiment belong with a ``--tag``, or their runs share the default folders).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import os.path as osp
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from queue import Empty, Queue
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from tools.paper_results import BASE2NEW_DATASETS, OPTIMIZERS, TRAINERS  # noqa: E402
+from tools.parse_results import read_run  # noqa: E402
+from tools.protocols import (  # noqa: E402
+    PROTOCOLS,
+    REPO,
+    TARGETS,
+    Chain,
+    ProtocolError,
+    Run,
+    Setup,
+    base2new_chain,
+    load_epoch,
+    preflight,
+    run_status,
+    transfer_chain,
+)
+
+
+class GridError(ValueError):
+    """Bad grid arguments or failed pre-flight checks."""
+
+
+@dataclass(frozen=True)
+class SubGrid:
+    """One rectangular block of a grid (defaults: the paper's datasets, targets and seeds)."""
+
+    protocols: tuple[str, ...]
+    trainers: tuple[str, ...]
+    optims: tuple[str, ...]
+    datasets: tuple[str, ...] = BASE2NEW_DATASETS
+    seeds: tuple[int, ...] = (1, 2, 3)
+    xd_targets: tuple[str, ...] = TARGETS["cross_dataset"]
+    dg_targets: tuple[str, ...] = TARGETS["domain_gen"]
+
+
+_TRANSFER = ("cross_dataset", "domain_gen")
+PRESETS = {
+    "paper-base2new": (SubGrid(("base2new",), TRAINERS, OPTIMIZERS),),
+    "paper-transfer": (SubGrid(_TRANSFER, TRAINERS, ("sgd", "sample")),),
+    "paper-ablation": (SubGrid(("base2new",), ("CoPrompt",), ("sgd", "sam", "sagm", "sample")),),
+}
+PRESETS["paper"] = PRESETS["paper-base2new"] + PRESETS["paper-transfer"]
+AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
+
+
+# -- grid expansion ---------------------------------------------------------------------------
+def select(preset: str | None, **axes) -> list[SubGrid]:
+    """The sub-grids of ``preset`` restricted to the given axes, or one grid built from them.
+
+    Args:
+        preset: a key of :data:`PRESETS` or None.
+        **axes: values for the fields of :class:`SubGrid` (None = not given).
+    """
+    given = {k: tuple(v) for k, v in axes.items() if v}
+    if preset is None:
+        if "trainers" not in given:
+            raise GridError("Choose a --preset or give --trainers (e.g. --trainers CoOp)")
+        defaults = {"protocols": ("base2new",), "optims": ("sample",)}
+        return [SubGrid(**{**defaults, **given})]
+    if preset not in PRESETS:
+        raise GridError(f"Unknown preset {preset!r}: one of {', '.join(PRESETS)}")
+    grids = []
+    for grid in PRESETS[preset]:
+        sub = {k: tuple(x for x in getattr(grid, k) if x in given[k]) for k in given}
+        grids.append(replace(grid, **sub))
+    return [g for g in grids if all(getattr(g, k) for k in ("protocols", "trainers", "optims"))]
+
+
+def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
+    """Chains of runs, one per training run (shared ImageNet trainings are merged)."""
+    chains: dict[str, Chain] = {}
+
+    def add(chain: Chain) -> None:
+        have = chains.setdefault(chain.train.out_dir, Chain(chain.train))
+        known = {r.out_dir for r in have.evals}
+        have.evals += [r for r in chain.evals if r.out_dir not in known]
+
+    for grid in grids:
+        for protocol in grid.protocols:
+            if protocol not in PROTOCOLS:
+                raise GridError(f"Unknown protocol {protocol!r}: one of {', '.join(PROTOCOLS)}")
+        targets = [
+            ("cross_dataset", t) for t in grid.xd_targets if "cross_dataset" in grid.protocols
+        ]
+        targets += [("domain_gen", t) for t in grid.dg_targets if "domain_gen" in grid.protocols]
+        for trainer in grid.trainers:
+            for optim in grid.optims:
+                if "base2new" in grid.protocols:
+                    for dataset in grid.datasets:
+                        for seed in grid.seeds:
+                            add(base2new_chain(setup, trainer, optim, dataset, seed))
+                if targets:
+                    for seed in grid.seeds:
+                        add(transfer_chain(setup, trainer, optim, seed, targets))
+    return list(chains.values())
+
+
+# -- progress ---------------------------------------------------------------------------------
+class Progress:
+    """Thread-safe run counters with elapsed time and a rough ETA."""
+
+    def __init__(self, total: int):
+        self.total, self.started, self.finished, self.failed = total, 0, 0, []
+        self.t0 = time.time()
+        self.lock = threading.Lock()
+
+    def _clock(self) -> str:
+        elapsed = time.time() - self.t0
+        text = f"elapsed {datetime.timedelta(seconds=round(elapsed))}"
+        if self.finished:
+            left = elapsed / self.finished * (self.total - self.finished)
+            text += f", ETA {datetime.timedelta(seconds=round(left))}"
+        return text
+
+    def start(self, run: Run, cmd: list[str], status: str, where: str) -> None:
+        action = "resume" if status == "partial" and run.stage == "train" else "run"
+        with self.lock:
+            self.started += 1
+            print(f"[{action} {self.started}/{self.total}{where}] {run.label}", flush=True)
+            print(f"  {shlex.join(cmd)}", flush=True)
+
+    def done(self, run: Run, problem: str | None, seconds: float) -> None:
+        with self.lock:
+            self.finished += 1
+            took = datetime.timedelta(seconds=round(seconds))
+            if problem:
+                self.failed.append(problem)
+                print(f"[FAILED {self.finished}/{self.total}] {problem} ({took})", flush=True)
+            else:
+                acc = read_run(run.out_dir, run.stage).accuracy
+                print(
+                    f"[done {self.finished}/{self.total}] {run.label}: accuracy {acc:.2f}% "
+                    f"({took}; {self._clock()})",
+                    flush=True,
+                )
+
+
+# -- execution --------------------------------------------------------------------------------
+def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool) -> int:
+    if stream:
+        return subprocess.run(cmd, env=env).returncode
+    os.makedirs(out_dir, exist_ok=True)
+    with open(osp.join(out_dir, "console.txt"), "a") as f:
+        f.write(f"\n$ {shlex.join(cmd)}\n")
+        f.flush()
+        return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+
+
+def execute_chain(
+    chain: Chain,
+    setup: Setup,
+    progress: Progress,
+    env: dict | None = None,
+    stream: bool = True,
+    where: str = "",
+) -> None:
+    """Run the unfinished runs of ``chain`` in order (evaluations need a finished training)."""
+    for run in chain.runs:
+        status = run_status(run)
+        if status == "done":
+            continue
+        t0 = time.time()
+        try:
+            epoch = None
+            if run.stage == "eval":
+                if run_status(chain.train) != "done":
+                    raise ProtocolError("its training run has no result")
+                epoch = load_epoch(run.model_dir)
+            cmd = run.command(setup, epoch)
+        except ProtocolError as e:
+            progress.done(run, f"{run.label}: not run: {e}", 0)
+            continue
+        progress.start(run, cmd, status, where)
+        rc = _execute(cmd, run.out_dir, env, stream)
+        problem = None
+        if rc != 0:
+            hint = "" if stream else f"; see {osp.join(run.out_dir, 'console.txt')}"
+            problem = f"{run.label}: train.py exited with {rc}{hint}"
+        elif run_status(run) != "done":
+            problem = f"{run.label}: train.py ended without a result line in {run.out_dir}"
+        progress.done(run, problem, time.time() - t0)
+
+
+def detect_gpus(spec: str | None) -> list[str] | None:
+    """GPU ids from ``--gpus`` (``0,1`` or ``auto``); None = one worker, environment as is."""
+    if not spec:
+        return None
+    if spec != "auto":
+        return [g.strip() for g in spec.split(",") if g.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g.strip() for g in visible.split(",") if g.strip()] or None
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] or None
+
+
+def run_local(chains: list[Chain], setup: Setup, gpus: list[str] | None, stream: bool) -> list:
+    """Execute chains with one worker per GPU (or one worker); returns the failures."""
+    total = sum(run_status(r) != "done" for c in chains for r in c.runs)
+    progress = Progress(total)
+    queue: Queue = Queue()
+    for chain in chains:
+        queue.put(chain)
+
+    def worker(gpu: str | None) -> None:
+        env = None if gpu is None else dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
+        where = "" if gpu is None else f" gpu {gpu}"
+        while True:
+            try:
+                chain = queue.get_nowait()
+            except Empty:
+                return
+            execute_chain(chain, setup, progress, env, stream, where)
+
+    if not gpus:
+        worker(None)
+    else:
+        threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in gpus]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return progress.failed
+
+
+def slurm_job(chain: Chain, setup: Setup) -> str:
+    """The function a SLURM job runs: one chain, output in each run's console.txt."""
+    progress = Progress(len(chain.runs))
+    execute_chain(chain, setup, progress, stream=False)
+    if progress.failed:
+        raise RuntimeError("\n".join(progress.failed))
+    return f"{chain.train.label}: done"
+
+
+def submit_slurm(chains: list[Chain], setup: Setup, args) -> list:
+    """Submit one job per chain (a job array) with submitit; returns the jobs."""
+    try:
+        import submitit
+    except ImportError as e:
+        raise GridError("--slurm needs the optional package submitit: pip install submitit") from e
+    executor = submitit.AutoExecutor(folder=osp.join(setup.output, "slurm", "%j"))
+    params = {
+        "name": "sample-grid",
+        "timeout_min": args.slurm_time,
+        "gpus_per_node": 1,
+        "tasks_per_node": 1,
+        "cpus_per_task": args.slurm_cpus,
+        "slurm_array_parallelism": args.slurm_parallel,
+        "slurm_setup": [
+            f"cd {shlex.quote(os.getcwd())}",
+            f"export PYTHONPATH={shlex.quote(REPO)}:${{PYTHONPATH:-}}",
+        ],
+    }
+    if args.slurm_partition:
+        params["slurm_partition"] = args.slurm_partition
+    if args.slurm_mem:
+        params["mem_gb"] = args.slurm_mem
+    for item in args.slurm_param or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GridError(f"--slurm-param {item!r}: use KEY=VALUE (a submitit parameter)")
+        params[key] = int(value) if value.isdigit() else value
+    executor.update_parameters(**params)
+    job_fn = importlib.import_module("tools.grid").slurm_job  # importable on the node
+    jobs = executor.map_array(job_fn, chains, [setup] * len(chains))
+    for job, chain in zip(jobs, chains):
+        print(f"submitted job {job.job_id}: {chain.train.label} (+{len(chain.evals)} evaluations)")
+    return jobs
+
+
+# -- command line -----------------------------------------------------------------------------
+def add_grid_args(parser: argparse.ArgumentParser) -> None:
+    """The grid and layout options (shared with tools/make_tables.py)."""
+    g = parser.add_argument_group("grid")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="the paper's grids")
+    g.add_argument("--protocols", nargs="+", choices=PROTOCOLS, help="default: base2new")
+    g.add_argument("--trainers", nargs="+", help=f"e.g. {' '.join(TRAINERS)}")
+    g.add_argument("--optims", nargs="+", help=f"e.g. {' '.join(OPTIMIZERS)} (default: sample)")
+    g.add_argument("--datasets", nargs="+", help="base-to-new datasets (default: the 11)")
+    g.add_argument("--seeds", nargs="+", type=int, help="default: 1 2 3")
+    g.add_argument("--xd-targets", nargs="+", help="cross-dataset targets (default: the 10)")
+    g.add_argument("--dg-targets", nargs="+", help="domain generalization targets (default: 4)")
+    g.add_argument(
+        "--cfg",
+        nargs="+",
+        default=[],
+        metavar="[TRAINER=]CFG",
+        help="trainer config names (configs/trainers/<TRAINER>/<CFG>.yaml) overriding defaults",
+    )
+    lay = parser.add_argument_group("layout")
+    lay.add_argument("--output", default=os.environ.get("OUTPUT") or "output", help="output root")
+    lay.add_argument("--shots", type=int, default=16, help="training shots per class")
+    lay.add_argument("--tag", default="", help="suffix of the optimizer folder component")
+
+
+def grids_from_args(args) -> list[SubGrid]:
+    grids = select(args.preset, **{k: getattr(args, k) for k in AXES})
+    if not grids:
+        raise GridError("The selection is empty: no part of the preset matches the given axes")
+    return grids
+
+
+def setup_from_args(args, opts: list[str] | None = None) -> Setup:
+    trainers = {t for g in grids_from_args(args) for t in g.trainers}
+    cfgs = {}
+    for item in args.cfg:
+        trainer, sep, cfg = item.rpartition("=")
+        if not sep:
+            if len(trainers) != 1:
+                raise GridError(f"--cfg {cfg}: several trainers, use --cfg TRAINER={cfg}")
+            trainer = next(iter(trainers))
+        cfgs[trainer] = cfg
+    if len(opts or []) % 2:
+        raise GridError(f"Options after -- must be KEY VALUE pairs, got {opts}")
+    return Setup(
+        data=getattr(args, "data", "") or "",
+        output=args.output,
+        shots=args.shots,
+        tag=args.tag,
+        opts=tuple(opts or ()),
+        cfgs=tuple(sorted(cfgs.items())),
+    )
+
+
+def split_opts(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(grid arguments, KEY VALUE options after --)``."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def print_plan(chains: list[Chain], setup: Setup, dry_run: bool, commands: bool) -> int:
+    """List the runs (all of them in a dry run, else those that will run); returns how many."""
+    counts = {"done": 0, "partial": 0, "todo": 0}
+    for chain in chains:
+        train_done = run_status(chain.train) == "done"
+        for run in chain.runs:
+            status = run_status(run)
+            counts[status] += 1
+            if status == "done" and not dry_run:
+                continue
+            action = {"done": "skip", "partial": "resume", "todo": "run"}[status]
+            if run.stage == "eval" and status != "done" and not train_done:
+                action = "after training"
+            print(f"{action:>14}  {run.label}\n{'':>16}{run.out_dir}")
+            if commands:
+                epoch = "{MAX_EPOCH of the training run}" if run.stage == "eval" else None
+                print(f"{'':>16}{shlex.join(run.command(setup, epoch))}")
+    print(
+        f"{sum(counts.values())} runs in {len(chains)} chains: {counts['done']} done (skipped), "
+        f"{counts['partial']} to resume or re-run, {counts['todo']} to run"
+    )
+    return counts["partial"] + counts["todo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_grid_args(parser)
+    parser.add_argument("--data", default=os.environ.get("DATA", ""), help="dataset root ($DATA)")
+    parser.add_argument("--dry-run", action="store_true", help="list runs and folders only")
+    parser.add_argument("--commands", action="store_true", help="also list train.py commands")
+    parser.add_argument("--no-check", action="store_true", help="skip the pre-flight checks")
+    parser.add_argument(
+        "--no-data-check", action="store_true", help="skip only tools/check_data.py"
+    )
+    run = parser.add_argument_group("execution")
+    run.add_argument("--gpus", help="one worker per GPU: ids (0,1,2,3) or auto")
+    run.add_argument("--quiet", action="store_true", help="train.py output to console.txt")
+    slurm = parser.add_argument_group("SLURM (submitit)")
+    slurm.add_argument("--slurm", action="store_true", help="submit one job per chain")
+    slurm.add_argument("--slurm-partition", default="", help="partition")
+    slurm.add_argument("--slurm-time", type=int, default=24 * 60, help="minutes per job")
+    slurm.add_argument("--slurm-cpus", type=int, default=8, help="CPUs per job")
+    slurm.add_argument("--slurm-mem", type=int, default=0, help="memory per job in GB")
+    slurm.add_argument("--slurm-parallel", type=int, default=64, help="running jobs at most")
+    slurm.add_argument("--slurm-param", nargs="+", help="more submitit parameters KEY=VALUE")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, opts = split_opts(sys.argv[1:] if argv is None else list(argv))
+    args = build_parser().parse_args(argv)
+    try:
+        setup = setup_from_args(args, opts)
+        chains = expand(grids_from_args(args), setup)
+        pending = print_plan(chains, setup, args.dry_run, args.commands)
+        if args.dry_run or not pending:
+            return 0
+        if not setup.data:
+            raise GridError("No dataset root: pass --data DIR or set DATA=/path/to/datasets")
+        todo = [c for c in chains if any(run_status(r) != "done" for r in c.runs)]
+        if not args.no_check:
+            print("Checking data, configs and CLIP weights ...", flush=True)
+            problems = preflight(todo, setup, data=not args.no_data_check)
+            if problems:
+                raise GridError("Pre-flight checks failed:\n- " + "\n- ".join(problems))
+        if args.slurm:
+            submit_slurm(todo, setup, args)
+            return 0
+        gpus = detect_gpus(args.gpus)
+        stream = not args.quiet and not (gpus and len(gpus) > 1)
+        failed = run_local(todo, setup, gpus, stream)
+    except (GridError, ProtocolError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    if failed:
+        print(f"\n{len(failed)} run(s) failed:\n- " + "\n- ".join(failed), file=sys.stderr)
+        return 1
+    print("All runs finished.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""The paper's protocols as runs: output folders, train.py commands, status and pre-flight checks.
+
+One place defines the output layout, shared by ``scripts/*.sh`` (through ``tools/grid.py``),
+``tools/grid.py`` and ``tools/make_tables.py``. CoOp's layout, with the optimizer in the config
+component (``{cfg}`` -> ``{cfg}+{optim}``; plain ``sgd`` runs keep CoOp's exact folders)::
+
+    base2new:   OUTPUT/base2new/train_base/{dataset}/shots_{S}/{trainer}/{cfg}[+{optim}]/seed{n}
+                OUTPUT/base2new/test_new/{dataset}/shots_{S}/{trainer}/{cfg}[+{optim}]/seed{n}
+    transfer:   OUTPUT/imagenet/{trainer}/{cfg}[+{optim}]_{S}shots/seed{n}          (training)
+                OUTPUT/evaluation/{trainer}/{cfg}[+{optim}]_{S}shots/{target}/seed{n}
+
+Cross-dataset (10 targets) and domain generalization (4 ImageNet variants) evaluate the same
+ImageNet training runs. A ``tag`` (for runs whose extra options change the experiment, e.g. a
+rho sweep) makes the component ``{cfg}+{optim}-{tag}``. Config names must not contain ``+``.
+
+Config files of a run: ``configs/trainers/{trainer}/{cfg}.yaml``, then the per-dataset
+overlays that exist, in this order: ``configs/trainers/{trainer}/per_dataset/{dataset}.yaml``
+(for every config of the trainer) and ``configs/trainers/{trainer}/{cfg}_{dataset}.yaml`` (for
+that config only); dataset = config stem of the TRAINING data (evaluation runs reuse their
+training run's files, so a model is always rebuilt as it was trained); then
+``--optim-config-file``: ``configs/optim/{trainer}/{optim}.yaml``, else
+``configs/optim/{optim}.yaml``. Default configs per trainer are the tables below; the transfer
+protocols train with the trainer's ImageNet config unless ``TRANSFER_CFG`` names another.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import os.path as osp
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+
+from tools.paper_results import TARGETS_BY_TABLE
+from tools.parse_results import read_run
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+CHECK_DATA_TOOL = osp.join(REPO, "tools", "check_data.py")  # the datasets' checker
+PROTOCOLS = ("base2new", "cross_dataset", "domain_gen")
+TARGETS = TARGETS_BY_TABLE
+SOURCE_DATASET = "imagenet"
+
+# Default trainer configs (configs/trainers/<trainer>/<cfg>.yaml); override with --cfg / CFG=.
+BASE2NEW_CFG = {
+    "CoOp": "vit_b16_ctxv1",
+    "CoCoOp": "vit_b16_c4_ep10_batch1_ctxv1",
+    "MaPLe": "vit_b16_c2_ep5_batch4_2ctx",
+    "CoPrompt": "vit_b16_c2_ep8_batch4_2ctx",
+    "TCP": "vit_b16_ep100_ctxv1",
+}
+DATASET_CFG = {  # base-to-new exceptions (the original scripts' per-dataset epochs)
+    ("CoOp", "imagenet"): "vit_b16_ep50_ctxv1",
+    ("TCP", "imagenet"): "vit_b16_ep25_ctxv1",
+    ("TCP", "sun397"): "vit_b16_ep25_ctxv1",
+}
+TRANSFER_CFG = {"MaPLe": "vit_b16_c2_ep5_batch4_2ctx_cross_datasets"}
+# Options a config needs with every sharpness-aware optimizer: the staged optimizer configs
+# switch at OPTIM.SAM.START_EPOCH 3, past the 2 epochs of MaPLe's cross-dataset config.
+SAM_CFG_OPTS = {
+    ("MaPLe", "vit_b16_c2_ep5_batch4_2ctx_cross_datasets"): ("OPTIM.SAM.START_EPOCH", "1"),
+}
+
+
+class ProtocolError(ValueError):
+    """A run cannot be set up (unknown config, optimizer, dataset or layout clash)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every run of an invocation shares.
+
+    Attributes:
+        data: dataset root (``--root``).
+        output: output root; the layout above lives under it.
+        shots: few-shot training samples per class.
+        tag: optional suffix of the optimizer component (see the module docstring).
+        opts: KEY VALUE options appended to every train.py command.
+        cfgs: ``{trainer: cfg}`` overriding the default configs.
+        python: the interpreter that runs train.py.
+    """
+
+    data: str = ""
+    output: str = "output"
+    shots: int = 16
+    tag: str = ""
+    opts: tuple[str, ...] = ()
+    cfgs: tuple[tuple[str, str], ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def cfg_for(self, protocol: str, trainer: str, dataset: str) -> str:
+        """The trainer config of a training run."""
+        override = dict(self.cfgs).get(trainer)
+        if override:
+            return override
+        if protocol != "base2new":
+            dataset = SOURCE_DATASET
+            cfg = TRANSFER_CFG.get(trainer)
+            if cfg:
+                return cfg
+        cfg = DATASET_CFG.get((trainer, dataset)) or BASE2NEW_CFG.get(trainer)
+        if cfg is None:
+            raise ProtocolError(
+                f"No default config for trainer {trainer!r}: pass --cfg {trainer}=<name> "
+                f"(scripts: CFG=<name>) with a file in configs/trainers/{trainer}/"
+            )
+        return cfg
+
+
+@dataclass(frozen=True)
+class Run:
+    """One train.py invocation.
+
+    Attributes:
+        protocol: ``base2new``, ``cross_dataset`` or ``domain_gen``.
+        stage: ``train`` or ``eval`` (``--eval-only`` on ``model_dir``).
+        trainer, cfg, optim: the method, its config name and the optimizer setting.
+        dataset: config stem of the data this run trains or evaluates on.
+        seed: the run seed.
+        out_dir: the run folder.
+        config_files: trainer config and overlay, relative to the repository.
+        optim_file: the ``--optim-config-file``.
+        model_dir: eval runs: the training run folder.
+        protocol_opts: KEY VALUE options the protocol sets.
+    """
+
+    protocol: str
+    stage: str
+    trainer: str
+    cfg: str
+    optim: str
+    dataset: str
+    seed: int
+    out_dir: str
+    config_files: tuple[str, ...]
+    optim_file: str
+    model_dir: str = ""
+    protocol_opts: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        step = {"base2new": ("train_base", "test_new")}.get(self.protocol, ("train", "eval"))
+        what = step[0] if self.stage == "train" else step[1]
+        return (
+            f"{self.trainer}{'' if self.optim == 'sgd' else '+' + self.optim} {self.protocol} "
+            f"{what} {self.dataset} seed{self.seed}"
+        )
+
+    def command(self, setup: Setup, load_epoch: int | str | None = None) -> list[str]:
+        """The train.py command line, valid from the current folder.
+
+        ``load_epoch`` is required for eval runs.
+        """
+        cmd = [setup.python, here("train.py"), "--root", setup.data, "--seed", str(self.seed)]
+        cmd += ["--trainer", self.trainer]
+        cmd += ["--dataset-config-file", here(dataset_config(self.dataset))]
+        cmd += ["--config-file", *map(here, self.config_files)]
+        cmd += ["--optim-config-file", here(self.optim_file), "--output-dir", self.out_dir]
+        if self.stage == "eval":
+            if load_epoch is None:
+                raise ProtocolError(f"{self.label}: the evaluation needs the training epoch")
+            cmd += ["--eval-only", "--model-dir", self.model_dir, "--load-epoch", str(load_epoch)]
+        return cmd + list(self.protocol_opts) + list(setup.opts)
+
+
+@dataclass
+class Chain:
+    """A training run and the evaluations of its model, executed in this order."""
+
+    train: Run
+    evals: list[Run] = field(default_factory=list)
+
+    @property
+    def runs(self) -> list[Run]:
+        return [self.train, *self.evals]
+
+
+def here(path: str) -> str:
+    """A repository path as typed in the current folder: relative inside the repository."""
+    full = osp.join(REPO, path)
+    rel = osp.relpath(full)
+    return full if rel.startswith("..") else rel
+
+
+# -- layout -----------------------------------------------------------------------------------
+def cfg_component(cfg: str, optim: str, tag: str = "") -> str:
+    """The folder name that CoOp calls ``{cfg}``: ``cfg``, ``cfg+optim`` or ``cfg+optim-tag``."""
+    if "+" in cfg or "/" in cfg:
+        raise ProtocolError(f"Config name {cfg!r} contains '+' or '/', which the layout reserves")
+    if not re.fullmatch(r"[A-Za-z0-9_.]+", optim):
+        raise ProtocolError(f"Optimizer name {optim!r}: use letters, digits, '_' or '.'")
+    if tag and not re.fullmatch(r"[A-Za-z0-9_.=-]+", tag):
+        raise ProtocolError(f"Tag {tag!r}: use letters, digits and _ . = - only")
+    if optim == "sgd" and not tag:
+        return cfg
+    return f"{cfg}+{optim}" + (f"-{tag}" if tag else "")
+
+
+def split_cfg_component(name: str) -> tuple[str, str, str]:
+    """Inverse of :func:`cfg_component`: ``(cfg, optim, tag)``."""
+    cfg, _, rest = name.partition("+")
+    if not rest:
+        return cfg, "sgd", ""
+    optim, _, tag = rest.partition("-")
+    return cfg, optim, tag
+
+
+def base2new_dirs(setup: Setup, dataset: str, trainer: str, comp: str, seed: int):
+    """``(train_base dir, test_new dir)``."""
+    tail = osp.join(dataset, f"shots_{setup.shots}", trainer, comp, f"seed{seed}")
+    root = osp.join(setup.output, "base2new")
+    return osp.join(root, "train_base", tail), osp.join(root, "test_new", tail)
+
+
+def transfer_dirs(setup: Setup, trainer: str, comp: str, seed: int, target: str):
+    """``(ImageNet training dir, evaluation dir on target)``."""
+    name = f"{comp}_{setup.shots}shots"
+    train = osp.join(setup.output, "imagenet", trainer, name, f"seed{seed}")
+    return train, osp.join(setup.output, "evaluation", trainer, name, target, f"seed{seed}")
+
+
+# -- config files -----------------------------------------------------------------------------
+def dataset_config(stem: str) -> str:
+    """``configs/datasets/<stem>.yaml`` (relative to the repository)."""
+    return osp.join("configs", "datasets", f"{stem}.yaml")
+
+
+def trainer_config_files(trainer: str, cfg: str, dataset: str) -> tuple[str, ...]:
+    """The main config and the per-dataset overlays that exist (module docstring)."""
+    folder = osp.join("configs", "trainers", trainer)
+    overlays = (
+        osp.join(folder, "per_dataset", f"{dataset}.yaml"),
+        osp.join(folder, f"{cfg}_{dataset}.yaml"),
+    )
+    return (osp.join(folder, f"{cfg}.yaml"),) + tuple(
+        p for p in overlays if osp.isfile(osp.join(REPO, p))
+    )
+
+
+def protocol_opts(trainer: str, cfg: str, optim: str, *opts: str) -> tuple[str, ...]:
+    """The protocol's KEY VALUE options plus those the config needs with ``optim``."""
+    return tuple(opts) + (SAM_CFG_OPTS.get((trainer, cfg), ()) if optim != "sgd" else ())
+
+
+def optim_config_file(trainer: str, optim: str) -> str:
+    """``configs/optim/<trainer>/<optim>.yaml``, else the generic ``configs/optim/<optim>.yaml``."""
+    own = osp.join("configs", "optim", trainer, f"{optim}.yaml")
+    if osp.isfile(osp.join(REPO, own)):
+        return own
+    return osp.join("configs", "optim", f"{optim}.yaml")
+
+
+def missing_files(run: Run) -> list[str]:
+    """Config files of ``run`` that do not exist, each with a hint."""
+    problems = []
+    for path in (run.config_files[0], run.optim_file, dataset_config(run.dataset)):
+        if not osp.isfile(osp.join(REPO, path)):
+            folder = osp.dirname(path)
+            have = sorted(
+                osp.splitext(osp.basename(p))[0]
+                for p in glob.glob(osp.join(REPO, folder, "*.yaml"))
+            )
+            hint = f"available: {', '.join(have)}" if have else f"{folder}/ has no configs"
+            problems.append(f"{path} not found ({hint})")
+    return problems
+
+
+# -- chains -----------------------------------------------------------------------------------
+def base2new_chain(setup: Setup, trainer: str, optim: str, dataset: str, seed: int) -> Chain:
+    """Train on the base classes of ``dataset``, then test on its new classes."""
+    cfg = setup.cfg_for("base2new", trainer, dataset)
+    comp = cfg_component(cfg, optim, setup.tag)
+    train_dir, test_dir = base2new_dirs(setup, dataset, trainer, comp, seed)
+    shots = ("DATASET.NUM_SHOTS", str(setup.shots))
+    train = Run(
+        "base2new",
+        "train",
+        trainer,
+        cfg,
+        optim,
+        dataset,
+        seed,
+        train_dir,
+        trainer_config_files(trainer, cfg, dataset),
+        optim_config_file(trainer, optim),
+        protocol_opts=protocol_opts(
+            trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "base"
+        ),
+    )
+    test = replace(
+        train,
+        stage="eval",
+        out_dir=test_dir,
+        model_dir=train_dir,
+        protocol_opts=protocol_opts(
+            trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "new"
+        ),
+    )
+    return Chain(train, [test])
+
+
+def transfer_chain(
+    setup: Setup, trainer: str, optim: str, seed: int, targets: list[tuple[str, str]]
+) -> Chain:
+    """Train on ImageNet (all classes), then evaluate on ``[(protocol, target), ...]``."""
+    cfg = setup.cfg_for("cross_dataset", trainer, SOURCE_DATASET)
+    comp = cfg_component(cfg, optim, setup.tag)
+    train_dir, _ = transfer_dirs(setup, trainer, comp, seed, SOURCE_DATASET)
+    protocol = targets[0][0] if targets else "cross_dataset"
+    train = Run(
+        protocol,
+        "train",
+        trainer,
+        cfg,
+        optim,
+        SOURCE_DATASET,
+        seed,
+        train_dir,
+        trainer_config_files(trainer, cfg, SOURCE_DATASET),
+        optim_config_file(trainer, optim),
+        protocol_opts=protocol_opts(trainer, cfg, optim, "DATASET.NUM_SHOTS", str(setup.shots)),
+    )
+    evals = [
+        replace(
+            train,
+            protocol=proto,
+            stage="eval",
+            dataset=target,
+            out_dir=transfer_dirs(setup, trainer, comp, seed, target)[1],
+            model_dir=train_dir,
+            protocol_opts=protocol_opts(trainer, cfg, optim),
+        )
+        for proto, target in targets
+    ]
+    return Chain(train, evals)
+
+
+# -- status -----------------------------------------------------------------------------------
+def run_status(run: Run) -> str:
+    """``done`` (has a result), ``partial`` (folder without result: resumes) or ``todo``."""
+    result = read_run(run.out_dir, run.stage)
+    if result.status == "done":
+        return "done"
+    return "partial" if result.status == "no_result" else "todo"
+
+
+def load_epoch(train_dir: str) -> int:
+    """The epoch to load from a finished training run: its ``OPTIM.MAX_EPOCH``.
+
+    Read from the run's ``config.yaml``, else from a ``<model>/checkpoint`` pointer file; the
+    checkpoint ``<model>/model.pth.tar-<epoch>`` must exist.
+    """
+    import yaml
+
+    epoch = None
+    cfg_path = osp.join(train_dir, "config.yaml")
+    if osp.isfile(cfg_path):
+        with open(cfg_path) as f:
+            epoch = int((yaml.safe_load(f) or {}).get("OPTIM", {}).get("MAX_EPOCH", 0)) or None
+    pointers = sorted(glob.glob(osp.join(train_dir, "*", "checkpoint")))
+    if epoch is None:
+        for pointer in pointers:
+            with open(pointer) as f:
+                m = re.search(r"model\.pth\.tar-(\d+)", f.read())
+            if m:
+                epoch = int(m.group(1))
+                break
+    if epoch is None:
+        raise ProtocolError(f"{train_dir}: no config.yaml or checkpoint pointer to read the epoch")
+    ckpts = [osp.join(osp.dirname(p), f"model.pth.tar-{epoch}") for p in pointers]
+    if not any(osp.isfile(c) for c in ckpts):
+        raise ProtocolError(
+            f"{train_dir}: no checkpoint model.pth.tar-{epoch} (OPTIM.MAX_EPOCH): "
+            "the training run is not finished; re-run it to resume"
+        )
+    return epoch
+
+
+# -- pre-flight checks ------------------------------------------------------------------------
+def dataset_registry_name(stem: str) -> str:
+    """``DATASET.NAME`` of ``configs/datasets/<stem>.yaml``."""
+    import yaml
+
+    path = osp.join(REPO, dataset_config(stem))
+    if not osp.isfile(path):
+        have = sorted(osp.splitext(p)[0] for p in os.listdir(osp.join(REPO, "configs", "datasets")))
+        raise ProtocolError(f"Unknown dataset {stem!r}: no {path} (available: {', '.join(have)})")
+    with open(path) as f:
+        name = ((yaml.safe_load(f) or {}).get("DATASET") or {}).get("NAME")
+    if not name:
+        raise ProtocolError(f"{path} sets no DATASET.NAME")
+    return name
+
+
+def check_data(root: str, stems: list[str]) -> str | None:
+    """Run the datasets' checker on ``stems``; returns a problem or None.
+
+    This is the one place that calls ``tools/check_data.py --root ROOT NAME ...`` (registry
+    names). Without that tool the check is skipped with a message (train.py still stops at
+    start-up, naming what is missing, when a dataset is absent).
+    """
+    names = [dataset_registry_name(s) for s in stems]
+    tool = CHECK_DATA_TOOL
+    if not osp.isfile(tool):
+        print(f"note: tools/check_data.py not found: data check of {', '.join(names)} skipped")
+        return None
+    cmd = [sys.executable, tool, "--root", root, *names]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = (proc.stdout + proc.stderr).strip()
+    if proc.returncode == 0:
+        print(out, flush=True)
+        return None
+    return f"data check failed ({shlex.join(cmd)}):\n{out}"
+
+
+def check_run_config(run: Run, setup: Setup) -> str | None:
+    """Merge ``run``'s config like train.py does and look for the CLIP weights.
+
+    Returns a problem (bad config file or option, unknown trainer, no weights) or None.
+    """
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from engine.clip.model import find_weights
+    from train import build_parser, setup_cfg
+
+    missing = missing_files(run)
+    if missing:
+        return f"{run.label}: " + "; ".join(missing)
+    try:
+        cfg = setup_cfg(build_parser().parse_args(run.command(setup)[2:]))
+        if cfg.TRAINER.NAME:
+            from engine.registry import TRAINER_REGISTRY
+
+            TRAINER_REGISTRY.get(cfg.TRAINER.NAME)
+        if not cfg.MODEL.BACKBONE.PRETRAINED:
+            return None
+        path, searched = find_weights(cfg)
+    except Exception as e:  # config/registry/backbone errors: report, do not crash the plan
+        return f"{run.label}: {type(e).__name__}: {e}"
+    if path is None:
+        where = "\n    ".join(searched) or "(no MODEL.BACKBONE.NAME or PATH)"
+        return (
+            f"no CLIP weights for MODEL.BACKBONE.NAME={cfg.MODEL.BACKBONE.NAME!r}; searched:\n"
+            f"    {where}\n  put OpenAI's checkpoint in ~/.cache/clip/ or pass "
+            "MODEL.BACKBONE.PATH /path/to/weights.pt as a trailing option"
+        )
+    return None
+
+
+def preflight(chains: list[Chain], setup: Setup, data: bool = True) -> list[str]:
+    """Problems that would stop runs of ``chains``: data, configs, weights (each checked once)."""
+    problems = []
+    if data:
+        stems = list(dict.fromkeys(r.dataset for c in chains for r in c.runs))
+        try:
+            problems.append(check_data(setup.data, stems))
+        except ProtocolError as e:
+            problems.append(str(e))
+    seen = set()
+    for chain in chains:
+        key = (chain.train.trainer, chain.train.config_files, chain.train.optim_file)
+        if key not in seen:
+            seen.add(key)
+            problems.append(check_run_config(chain.train, setup))
+    return [p for p in problems if p]
