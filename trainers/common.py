@@ -7,6 +7,9 @@ import logging
 import torch
 from torch import nn
 
+from engine.clip import clip_dtype, tokenize, truncate_tokens
+from optim import build_lr_scheduler, build_optimizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,3 +48,65 @@ def freeze_except(model: nn.Module, prefixes: tuple[str, ...]) -> list[str]:
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True)
+
+
+def register_class_prompts(
+    module: nn.Module, token_embedding: nn.Embedding, prompts: list[str], n_ctx: int
+) -> torch.Tensor:
+    """Register the frozen token embeddings of ``prompts`` around ``n_ctx`` context tokens.
+
+    Each prompt must start with ``n_ctx`` placeholder words ("X X X X ...") that the learnable
+    context replaces. The prompts are cut to the longest EOT (exact, see engine.clip.text).
+    Registers the NON-persistent buffers ``token_prefix`` ``[n_cls, 1, width]`` (SOS),
+    ``token_suffix`` ``[n_cls, L - 1 - n_ctx, width]`` and ``eot_idx`` ``[n_cls]``, so
+    checkpoints never hold them and a model built for other classes rebuilds them.
+
+    Returns:
+        The truncated token ids ``[n_cls, L]``.
+    """
+    tokens, eot = truncate_tokens(tokenize(prompts))  # [n_cls, L], L = longest EOT + 1 (rounded)
+    device = token_embedding.weight.device
+    with torch.no_grad():
+        emb = token_embedding(tokens.to(device))  # [n_cls, L, width]
+    module.register_buffer("token_prefix", emb[:, :1, :], persistent=False)
+    module.register_buffer("token_suffix", emb[:, 1 + n_ctx :, :], persistent=False)
+    module.register_buffer("eot_idx", eot.to(device), persistent=False)
+    return tokens
+
+
+def setup_prompt_learner(trainer, name: str = "prompt_learner") -> list[str]:
+    """Train only ``trainer.model.<name>``: freeze the rest, load ``MODEL.INIT_WEIGHTS``, build
+    the optimizer and LR scheduler over it and register it (checkpoints hold its state dict).
+
+    Returns:
+        The names of the trainable parameters (logged).
+    """
+    module = getattr(trainer.model, name)
+    trainable = freeze_except(trainer.model, (f"{name}.",))
+    logger.info("Parameters to be updated: %s", ", ".join(trainable))
+    load_init_weights(module, trainer.cfg.MODEL.INIT_WEIGHTS)
+    trainer.optim = build_optimizer(trainer.cfg, module)
+    trainer.sched = build_lr_scheduler(trainer.optim, trainer.cfg.OPTIM)
+    trainer.register_model(name, module, trainer.optim, trainer.sched)
+    return trainable
+
+
+class FrozenImageCLIP(nn.Module):
+    """Base of a prompt learner's CLIP wrapper: the frozen image encoder and CoOp's logits.
+
+    Subclasses add a ``prompt_learner`` and an ``encode_text``.
+    """
+
+    def __init__(self, clip_model):
+        super().__init__()
+        self.image_encoder = clip_model.visual
+        self.logit_scale = clip_model.logit_scale
+        self.dtype = clip_dtype(clip_model)
+
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """L2-normalised image features ``[batch, embed_dim]``."""
+        return l2_normalize(self.image_encoder(image.to(self.dtype)))
+
+    def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
+        """``logit_scale.exp() * image @ text^T``: ``[batch, n_cls]``."""
+        return self.logit_scale.exp() * image_features @ text_features.t().to(image_features.dtype)

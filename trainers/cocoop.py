@@ -1,0 +1,190 @@
+"""CoCoOp: conditional prompt learning (Zhou et al., CVPR 2022).
+
+CoOp's context plus a per-image bias: a meta-net Linear(vis_dim, vis_dim // 16) -> ReLU ->
+Linear(vis_dim // 16, ctx_dim) maps the L2-normalised image feature to a vector added to every
+context token, so each image gets its own prompts for all classes. Differences from the CoCoOp
+code base, all deliberate:
+
+- the text encoder runs as ONE batched call over all (image x class) prompts, cut into chunks of
+  ``TRAINER.COCOOP.TEXT_CHUNK`` prompts (or an automatic bound) instead of a Python loop over the
+  images; each chunk's prompts are gathered from the frozen class embeddings only when needed,
+  so memory grows with the chunk, not with images x classes (at evaluation; training keeps the
+  graph of every chunk for backward, as CoCoOp's loop did);
+- the context and the meta-net are fp32 master parameters in every precision mode (CoCoOp's fp16
+  mode trained half-precision weights);
+- prompts are cut to the longest EOT (identical features), the frozen image features are
+  computed once per step, and the class-dependent buffers are non-persistent (checkpoints hold
+  ``ctx`` and ``meta_net.*``, the same names as CoCoOp's, and load for any set of classes).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.clip import TextEncoder, load_clip
+from engine.registry import TRAINER_REGISTRY
+from engine.trainer import TrainerX
+from engine.utils import compute_accuracy
+
+from .common import FrozenImageCLIP, l2_normalize, setup_prompt_learner
+from .coop import PromptLearner
+
+# Automatic chunk bound: about this many activation elements (prompts x tokens x width) per
+# text-encoder call, e.g. 8,192 prompts of 16 tokens at width 512 (128 MiB per fp16 activation;
+# ViT-B/16 in fp16 peaked at about 3 GiB when evaluating 100 images x 1000 classes on a GPU).
+AUTO_CHUNK_ELEMENTS = 1 << 26
+
+
+def add_cocoop_config(cfg) -> None:
+    """TRAINER.COCOOP keys (CoCoOp's names and defaults, plus the chunk size)."""
+    from yacs.config import CfgNode as CN
+
+    cfg.TRAINER.COCOOP = CN()
+    cfg.TRAINER.COCOOP.N_CTX = 16  # number of context vectors (ignored when CTX_INIT is set)
+    cfg.TRAINER.COCOOP.CTX_INIT = ""  # initialise the context from these words, e.g. "a photo of a"
+    cfg.TRAINER.COCOOP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 prompt learner) | amp | bf16
+    # Prompts (image x class pairs) per text-encoder call; 0: automatic, about
+    # AUTO_CHUNK_ELEMENTS activation elements per call. Only memory and speed depend on it.
+    cfg.TRAINER.COCOOP.TEXT_CHUNK = 0
+
+
+class ConditionalPromptLearner(PromptLearner):
+    """CoOp's shared context and frozen class-token buffers plus CoCoOp's meta-net.
+
+    Args:
+        classnames: class names ("_" becomes " ").
+        clip_model: the frozen CLIP.
+        n_ctx: number of context tokens (overridden by the words of ``ctx_init``).
+        ctx_init: initial context words ("" = random N(0, 0.02)).
+    """
+
+    def __init__(self, classnames: list[str], clip_model, n_ctx: int = 16, ctx_init: str = ""):
+        super().__init__(classnames, clip_model, n_ctx=n_ctx, ctx_init=ctx_init)
+        vis_dim = clip_model.visual.output_dim
+        ctx_dim = self.ctx.shape[-1]
+        hidden = vis_dim // 16
+        if hidden < 1:
+            raise ValueError(f"CoCoOp's meta-net needs an image feature dim >= 16, got {vis_dim}")
+        self.meta_net = nn.Sequential(
+            OrderedDict(
+                [
+                    ("linear1", nn.Linear(vis_dim, hidden)),
+                    ("relu", nn.ReLU(inplace=True)),
+                    ("linear2", nn.Linear(hidden, ctx_dim)),
+                ]
+            )
+        ).to(self.ctx.device)  # fp32 master weights
+
+    def forward(self, image_features: torch.Tensor) -> torch.Tensor:
+        """Image-conditioned contexts ``[batch, n_ctx, width]`` from normalised image features
+        ``[batch, vis_dim]``."""
+        bias = self.meta_net(image_features.to(self.ctx.dtype))  # [batch, width]
+        return self.ctx.unsqueeze(0) + bias.unsqueeze(1)  # [batch, n_ctx, width]
+
+    def prompts(self, contexts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings ``[len(rows), L, width]`` of the flat (image, class) indices
+        ``rows`` (row r = image r // n_cls, class r % n_cls) for the contexts of
+        :meth:`forward`."""
+        image, cls = rows // self.n_cls, rows % self.n_cls
+        prefix = self.token_prefix[cls]  # [rows, 1, width]
+        suffix = self.token_suffix[cls]  # [rows, L - 1 - n_ctx, width]
+        return torch.cat([prefix, contexts[image].to(prefix.dtype), suffix], dim=1)
+
+
+class CoCoOpCLIP(FrozenImageCLIP):
+    """Frozen CLIP with CoCoOp's prompt learner.
+
+    The trainer uses the parts: :meth:`encode_image` (frozen), :meth:`encode_text` (per-image
+    class features) and :meth:`logits`; ``forward(image)`` chains them.
+
+    Args:
+        classnames: class names.
+        clip_model: the frozen CLIP.
+        n_ctx, ctx_init: as in :class:`ConditionalPromptLearner`.
+        text_chunk: prompts per text-encoder call (0: automatic).
+    """
+
+    def __init__(self, classnames, clip_model, n_ctx=16, ctx_init="", text_chunk=0):
+        super().__init__(clip_model)
+        if text_chunk < 0:
+            raise ValueError(f"TRAINER.COCOOP.TEXT_CHUNK must be >= 0 (0: auto), got {text_chunk}")
+        self.prompt_learner = ConditionalPromptLearner(classnames, clip_model, n_ctx, ctx_init)
+        self.text_encoder = TextEncoder(clip_model)
+        self.text_chunk = text_chunk
+
+    def chunk_size(self) -> int:
+        """Prompts per text-encoder call: TEXT_CHUNK, or the automatic bound (about
+        AUTO_CHUNK_ELEMENTS activation elements, rounded down to whole images when one fits)."""
+        if self.text_chunk > 0:
+            return self.text_chunk
+        pl = self.prompt_learner
+        _, suffix_len, width = pl.token_suffix.shape
+        seq_len = 1 + pl.n_ctx + suffix_len
+        rows = max(1, AUTO_CHUNK_ELEMENTS // (seq_len * width))
+        return rows - rows % pl.n_cls if rows >= pl.n_cls else rows
+
+    def encode_text(self, image_features: torch.Tensor) -> torch.Tensor:
+        """Normalised text features ``[batch, n_cls, dim]`` of every (image, class) prompt.
+
+        One batched text-encoder pass over the ``batch * n_cls`` prompts, in chunks of
+        :meth:`chunk_size` prompts built on the fly.
+        """
+        pl = self.prompt_learner
+        contexts = pl(image_features)  # [batch, n_ctx, width]
+        total = contexts.shape[0] * pl.n_cls
+        step = self.chunk_size()
+        feats = []
+        for start in range(0, total, step):
+            rows = torch.arange(start, min(start + step, total), device=contexts.device)
+            eot = pl.eot_idx[rows % pl.n_cls]
+            feats.append(self.text_encoder(pl.prompts(contexts, rows), eot))  # [rows, dim]
+        text = torch.cat(feats).view(contexts.shape[0], pl.n_cls, -1)  # [batch, n_cls, dim]
+        return l2_normalize(text)
+
+    def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
+        """``[batch, n_cls]`` logits of each image against its own class features."""
+        # the scale multiplies the image features first, as in CoOp/CoCoOp: scaling the product
+        # instead overflows the (loss-scaled) half-precision gradient under amp
+        image = (self.logit_scale.exp() * image_features).unsqueeze(-1)  # [batch, dim, 1]
+        return (text_features.to(image.dtype) @ image).squeeze(-1)  # [batch, n_cls]
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        image_features = self.encode_image(image)
+        return self.logits(image_features, self.encode_text(image_features))
+
+
+@TRAINER_REGISTRY.register()
+class CoCoOp(TrainerX):
+    """Conditional Context Optimization (CoCoOp)."""
+
+    add_config = staticmethod(add_cocoop_config)
+
+    def build_model(self):
+        cfg = self.cfg
+        c = cfg.TRAINER.COCOOP
+        clip_model = load_clip(cfg, precision=self.prec, device=self.device)
+        self.model = CoCoOpCLIP(
+            self.dm.dataset.classnames,
+            clip_model,
+            n_ctx=c.N_CTX,
+            ctx_init=c.CTX_INIT,
+            text_chunk=c.TEXT_CHUNK,
+        ).to(self.device)
+        setup_prompt_learner(self)
+
+    def prepare_step(self, batch_inputs):
+        image, label = batch_inputs
+        return self.model.encode_image(image), label
+
+    def compute_loss(self, inputs):
+        image_features, label = inputs
+        logits = self.model.logits(image_features, self.model.encode_text(image_features))
+        loss = F.cross_entropy(logits.float(), label)
+        return loss, {"acc": compute_accuracy(logits, label)[0]}
+
+    def model_inference(self, image):
+        return self.model(image)

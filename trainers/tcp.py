@@ -1,0 +1,238 @@
+"""TCP: textual-based class-aware prompt tuning (Yao et al., CVPR 2024).
+
+A shared learnable context at token positions 1..N_CTX of a per-dataset template, plus
+class-aware tokens: the frozen CLIP's L2-normalised features ``t_clip`` of hand-crafted prompts go
+through a meta-net Linear(dim, dim // 4) -> QuickGELU -> Linear(dim // 4, N_CTX * width), and
+the result replaces token positions 1..N_CTX inside the text transformer, before block
+``TRAINER.TCP.INJECT_LAYER`` (8). Loss = cross-entropy + W * (1 - mean cos(text, t_clip)), the
+KgCoOp regulariser (W = 8.0). Differences from the TCP code base, all deliberate:
+
+- the KgCoOp weight is the config key ``TRAINER.TCP.W`` (TCP hard-codes 8.0 in the loss);
+- ``t_clip`` comes from the same frozen CLIP (TCP loads a second copy) and is computed once;
+  it and the class-token buffers are non-persistent, so checkpoints hold ``ctx`` and
+  ``meta_net.*`` (TCP's names) and a base-class model evaluates on new classes;
+- the context and meta-net are fp32 master parameters in every precision mode;
+- prompts are cut to the longest EOT (identical features); text features are computed once
+  per evaluation, not per test batch;
+- N_CTX other than 4 replaces the four placeholder words of the template by N_CTX tokens (TCP
+  only works with 4).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from open_clip.transformer import QuickGELU
+from torch import nn
+
+from engine.clip import TextEncoder, encode_texts, load_clip
+from engine.registry import TRAINER_REGISTRY
+from engine.utils import compute_accuracy
+
+from .common import FrozenImageCLIP, l2_normalize, register_class_prompts, setup_prompt_learner
+from .coop import PromptTrainer
+
+logger = logging.getLogger(__name__)
+
+# TCP's learnable templates; their first TEMPLATE_CTX_WORDS words are the context positions
+# ("a photo of a" included: TCP overwrites those four tokens with the context too).
+LEARNABLE_TEMPLATES = {
+    "OxfordPets": "X X X X {}, a type of pet.",
+    "OxfordFlowers": "X X X X {}, a type of flower.",
+    "FGVCAircraft": "X X X X {}, a type of aircraft.",
+    "DescribableTextures": "X X X X {} texture.",
+    "EuroSAT": "X X X X {}.",
+    "StanfordCars": "X X X X {}, a type of car",  # no final period, as in TCP
+    "Food101": "X X X X {}, a type of food.",
+    "SUN397": "X X X X {}.",
+    "Caltech101": "X X X X {}.",
+    "UCF101": "a photo of a person doing {}.",
+    "ImageNet": "a photo of a {}.",
+    "ImageNetSketch": "a photo of a {}.",
+    "ImageNetV2": "a photo of a {}.",
+    "ImageNetA": "a photo of a {}.",
+    "ImageNetR": "a photo of a {}.",
+}
+TEMPLATE_CTX_WORDS = 4
+DEFAULT_LEARNABLE_TEMPLATE = "X X X X {}."
+
+# TCP's hand-crafted ("ori") templates for the frozen class features t_clip
+HANDCRAFTED_TEMPLATES = {
+    "OxfordPets": "a photo of a {}, a type of pet.",
+    "OxfordFlowers": "a photo of a {}, a type of flower.",
+    "FGVCAircraft": "a photo of an aircraft {}.",
+    "DescribableTextures": "a photo of a {}, a type of texture.",
+    "EuroSAT": "a centered satellite photo of {}.",
+    "UCF101": "a photo of a person doing {}.",
+    "Food101": "a photo of a {}, a type of food.",
+}
+DEFAULT_HANDCRAFTED_TEMPLATE = "a photo of a {}."  # every other dataset (TCP's table)
+
+
+def tcp_templates(dataset_name: str) -> tuple[str, str]:
+    """``(learnable, hand-crafted)`` templates of a dataset; unknown datasets fall back to
+    "X X X X {}." / "a photo of a {}." with a logged notice."""
+    if dataset_name not in LEARNABLE_TEMPLATES:
+        logger.warning(
+            "TCP has no templates for dataset %r: using %r (learnable) and %r (hand-crafted)",
+            dataset_name,
+            DEFAULT_LEARNABLE_TEMPLATE,
+            DEFAULT_HANDCRAFTED_TEMPLATE,
+        )
+        return DEFAULT_LEARNABLE_TEMPLATE, DEFAULT_HANDCRAFTED_TEMPLATE
+    learnable = LEARNABLE_TEMPLATES[dataset_name]
+    return learnable, HANDCRAFTED_TEMPLATES.get(dataset_name, DEFAULT_HANDCRAFTED_TEMPLATE)
+
+
+def learnable_prompt(template: str, n_ctx: int) -> str:
+    """The template with its context words replaced by ``n_ctx`` placeholders "X"."""
+    rest = template.split(" ")[TEMPLATE_CTX_WORDS:]
+    return " ".join(["X"] * n_ctx + rest)
+
+
+def add_tcp_config(cfg) -> None:
+    """TRAINER.TCP keys (TCP's defaults)."""
+    from yacs.config import CfgNode as CN
+
+    cfg.TRAINER.TCP = CN()
+    cfg.TRAINER.TCP.N_CTX = 4  # context tokens = class-aware tokens per prompt
+    cfg.TRAINER.TCP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 prompt learner) | amp | bf16
+    cfg.TRAINER.TCP.W = 8.0  # weight of the KgCoOp loss 1 - mean cos(text, t_clip)
+    # text block (0-based) before which the class-aware tokens replace positions 1..N_CTX
+    cfg.TRAINER.TCP.INJECT_LAYER = 8
+
+
+class TCPPromptLearner(nn.Module):
+    """TCP's context, meta-net and frozen class tensors.
+
+    Args:
+        classnames: class names ("_" becomes " ").
+        clip_model: the frozen CLIP.
+        template: the learnable template (:data:`LEARNABLE_TEMPLATES` form).
+        handcrafted: the hand-crafted template of ``t_clip``.
+        n_ctx: number of context (and class-aware) tokens.
+    """
+
+    def __init__(self, classnames, clip_model, template: str, handcrafted: str, n_ctx: int = 4):
+        super().__init__()
+        if n_ctx < 1:
+            raise ValueError(f"TRAINER.TCP.N_CTX must be >= 1, got {n_ctx}")
+        names = [name.replace("_", " ") for name in classnames]
+        embedding = clip_model.token_embedding
+        width = clip_model.ln_final.weight.shape[0]
+        ctx = torch.empty(n_ctx, width, dtype=torch.float32)
+        nn.init.normal_(ctx, std=0.02)
+        self.ctx = nn.Parameter(ctx.to(embedding.weight.device))  # fp32 master weights
+
+        t_clip = encode_texts(TextEncoder(clip_model), [handcrafted.format(n) for n in names])
+        self.register_buffer("t_clip", t_clip, persistent=False)  # [n_cls, dim], normalised
+        dim = t_clip.shape[1]
+        self.meta_net = nn.Sequential(
+            OrderedDict(
+                [
+                    ("linear1", nn.Linear(dim, dim // 4)),
+                    ("gelu", QuickGELU()),
+                    ("linear2", nn.Linear(dim // 4, n_ctx * width)),
+                ]
+            )
+        ).to(self.ctx.device)
+
+        self.prompts_text = [learnable_prompt(template, n_ctx).format(n) for n in names]
+        register_class_prompts(self, embedding, self.prompts_text, n_ctx)
+        self.n_cls, self.n_ctx = len(names), n_ctx
+
+    def class_tokens(self) -> torch.Tensor:
+        """The class-aware tokens ``[n_cls, n_ctx, width]``."""
+        out = self.meta_net(self.t_clip)  # [n_cls, n_ctx * width]
+        return out.view(self.n_cls, self.n_ctx, -1)  # [n_cls, n_ctx, width]
+
+    def forward(self) -> torch.Tensor:
+        """Prompt embeddings ``[n_cls, L, width]``."""
+        prefix, suffix = self.token_prefix, self.token_suffix
+        ctx = self.ctx.unsqueeze(0).expand(self.n_cls, -1, -1)  # [n_cls, n_ctx, width]
+        return torch.cat([prefix, ctx.to(prefix.dtype), suffix], dim=1)
+
+
+class TCPCLIP(FrozenImageCLIP):
+    """Frozen CLIP with TCP's prompt learner (the CoOp ``CustomCLIP`` interface:
+    :meth:`encode_image`, :meth:`encode_text`, :meth:`logits`)."""
+
+    def __init__(self, classnames, clip_model, template, handcrafted, n_ctx=4, inject_layer=8):
+        super().__init__(clip_model)
+        self.text_encoder = TextEncoder(clip_model)
+        n_layers = self.text_encoder.num_layers
+        if not 0 <= inject_layer < n_layers:
+            raise ValueError(
+                f"TRAINER.TCP.INJECT_LAYER is {inject_layer}, but the CLIP text tower has "
+                f"{n_layers} blocks: set TRAINER.TCP.INJECT_LAYER to a block index in "
+                f"0..{n_layers - 1}"
+            )
+        self.prompt_learner = TCPPromptLearner(
+            classnames, clip_model, template, handcrafted, n_ctx=n_ctx
+        )
+        self.inject_layer = inject_layer
+
+    def encode_text(self) -> torch.Tensor:
+        """Normalised class text features ``[n_cls, dim]``."""
+        pl = self.prompt_learner
+        tokens = pl.class_tokens()
+
+        def inject(i: int, x: torch.Tensor) -> torch.Tensor:
+            if i != self.inject_layer:
+                return x
+            return torch.cat([x[:, :1], tokens.to(x.dtype), x[:, 1 + pl.n_ctx :]], dim=1)
+
+        return l2_normalize(self.text_encoder(pl(), pl.eot_idx, layer_hook=inject))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.encode_image(image), self.encode_text())
+
+
+def kg_loss(text_features: torch.Tensor, t_clip: torch.Tensor) -> torch.Tensor:
+    """KgCoOp's regulariser ``1 - mean cos(text_features, t_clip)`` (rows are classes)."""
+    return 1.0 - F.cosine_similarity(text_features.float(), t_clip.float(), dim=-1).mean()
+
+
+@TRAINER_REGISTRY.register()
+class TCP(PromptTrainer):
+    """Textual-based Class-aware Prompt tuning (TCP); image features once per step, text
+    features once per evaluation."""
+
+    add_config = staticmethod(add_tcp_config)
+
+    def check_cfg(self, cfg):
+        c = cfg.TRAINER.TCP
+        if c.N_CTX < 1:
+            raise ValueError(f"TRAINER.TCP.N_CTX must be >= 1, got {c.N_CTX}")
+        if c.INJECT_LAYER < 0:
+            raise ValueError(f"TRAINER.TCP.INJECT_LAYER must be >= 0, got {c.INJECT_LAYER}")
+        if c.W < 0:
+            raise ValueError(f"TRAINER.TCP.W (the KgCoOp loss weight) must be >= 0, got {c.W}")
+
+    def build_model(self):
+        cfg = self.cfg
+        c = cfg.TRAINER.TCP
+        template, handcrafted = tcp_templates(cfg.DATASET.NAME)
+        clip_model = load_clip(cfg, precision=self.prec, device=self.device)
+        self.model = TCPCLIP(
+            self.dm.dataset.classnames,
+            clip_model,
+            template,
+            handcrafted,
+            n_ctx=c.N_CTX,
+            inject_layer=c.INJECT_LAYER,
+        ).to(self.device)
+        setup_prompt_learner(self)
+
+    def compute_loss(self, inputs):
+        image_features, label = inputs
+        text_features = self.model.encode_text()
+        logits = self.model.logits(image_features, text_features)
+        ce = F.cross_entropy(logits.float(), label)
+        kg = kg_loss(text_features, self.model.prompt_learner.t_clip)
+        loss = ce + self.cfg.TRAINER.TCP.W * kg
+        summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}
+        return loss, summary
