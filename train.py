@@ -31,6 +31,20 @@ import sys
 logger = logging.getLogger("train")
 
 
+class _ConfigFiles(argparse.Action):
+    """``--config-file A.yaml [B.yaml ...]``: YAML files only. Tokens after the last YAML file
+    (CoOp's trailing ``KEY VALUE`` options right after the flag) are kept as options."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        n = 0
+        while n < len(values) and values[n].endswith((".yaml", ".yml")):
+            n += 1
+        if n == 0:
+            parser.error(f"{option_string} expects .yaml files, got {values[0]!r}")
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), *values[:n]])
+        namespace.leading_opts = [*getattr(namespace, "leading_opts", []), *values[n:]]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Train or evaluate a prompt learner (CoOp-compatible flags).",
@@ -57,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config-file",
-        type=str,
         nargs="+",
         default=[],
-        help="trainer config file(s), merged in order (later files override earlier ones, e.g. "
-        "a per-dataset overlay after the trainer's main config)",
+        action=_ConfigFiles,
+        help="trainer config file(s) (.yaml), merged in order (later files override earlier "
+        "ones, e.g. a per-dataset overlay after the trainer's main config); may be repeated",
     )
     parser.add_argument("--dataset-config-file", type=str, default="", help="dataset config file")
     parser.add_argument(
@@ -119,8 +133,7 @@ def setup_cfg(args):
     cfg = get_cfg_default()
     if args.dataset_config_file:
         merge_from_file(cfg, args.dataset_config_file)
-    config_files = [args.config_file] if isinstance(args.config_file, str) else args.config_file
-    for path in config_files or []:
+    for path in args.config_file:
         merge_from_file(cfg, path)
     if getattr(args, "optim_config_file", ""):
         merge_from_file(cfg, args.optim_config_file)
@@ -128,6 +141,7 @@ def setup_cfg(args):
     opts = list(args.opts or [])
     if opts and opts[0] == "--":
         opts = opts[1:]
+    opts = [*getattr(args, "leading_opts", []), *opts]
     flags = [o for o in opts[0::2] if o.startswith("--")]
     if flags:
         raise ConfigError(

@@ -104,3 +104,19 @@ def test_merge_order_cli_overrides_files():
     assert cfg.SEED == 0, "--seed 0 must be honoured"
     assert cfg.DATASET.ROOT == "/data" and cfg.OPTIM.LR == 0.5
     assert cfg.DATASET.NAME == "DescribableTextures"
+
+
+def test_config_file_flag_forms():
+    """--config-file takes YAML files (several, or repeated); KEY VALUE right after it are opts,
+    as in CoOp's commands."""
+    from train import build_parser, setup_cfg
+
+    main = osp.join(ROOT, "configs/trainers/CoOp/vit_b16_ctxv1.yaml")
+    optim = osp.join(ROOT, "configs/optim/sample.yaml")
+    p = build_parser()
+    cfg = setup_cfg(p.parse_args(["--config-file", main, "OPTIM.LR", "0.5"]))
+    assert cfg.OPTIM.LR == 0.5 and cfg.OPTIM.MAX_EPOCH == 200
+    cfg = setup_cfg(p.parse_args(["--config-file", main, optim, "--seed", "0", "OPTIM.LR", "1"]))
+    assert cfg.OPTIM.SAM.NAME == "sample" and cfg.SEED == 0 and cfg.OPTIM.LR == 1.0
+    cfg = setup_cfg(p.parse_args(["--config-file", main, "--config-file", optim]))
+    assert cfg.OPTIM.SAM.NAME == "sample" and cfg.OPTIM.NAME == "sgd"
