@@ -1,4 +1,5 @@
-"""CLIP backbone on open_clip_torch: local weight loading, tokenisation, text encoder."""
+"""CLIP backbone on open_clip_torch: local weight loading, tokenisation, text encoder,
+prompted vision encoder."""
 
 from .model import (
     OPENAI_MODELS,
@@ -10,10 +11,12 @@ from .model import (
     save_clip_checkpoint,
 )
 from .text import TextEncoder, encode_texts, eot_indices, tokenize, truncate_tokens
+from .vision import PromptedVisionEncoder, require_vit
 
 __all__ = [
     "OPENAI_MODELS",
     "BackboneError",
+    "PromptedVisionEncoder",
     "TextEncoder",
     "build_clip",
     "clip_dtype",
@@ -21,6 +24,7 @@ __all__ = [
     "eot_indices",
     "find_weights",
     "load_clip",
+    "require_vit",
     "save_clip_checkpoint",
     "tokenize",
     "truncate_tokens",

@@ -1,0 +1,392 @@
+"""MaPLe (trainers/maple.py) and the prompted vision encoder (engine/clip/vision.py) on a tiny
+CLIP with 4 text and 4 vision blocks (prompts in the first 3)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os.path as osp
+import re
+
+import pytest
+import torch
+from conftest import ROOT, make_cfg, run_train
+
+from engine import build_trainer
+from engine.clip import BackboneError, PromptedVisionEncoder, TextEncoder, load_clip, tokenize
+from engine.clip.model import build_clip
+from engine.toy import TINY_OPTS, write_tiny_clip
+from trainers.maple import MaPLeCLIP, MultiModalPromptLearner, text_prompt_hook
+
+DEEP_CLIP = {
+    "embed_dim": 32,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 32, "layers": 4, "width": 64, "patch_size": 8, "head_width": 32},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 4},
+}
+CLASSES = ["red circle", "blue_square", "a very long class name with words"]
+N_CTX, DEPTH = 2, 3
+MAPLE_CFG = "configs/trainers/MaPLe/vit_b16_c2_ep5_batch4_2ctx.yaml"
+PROJECTIONS = {"proj.weight", "proj.bias"} | {
+    f"compound_prompt_projections.{i}.{k}" for i in range(DEPTH - 1) for k in ("weight", "bias")
+}
+SAMPLE_FILE = "configs/optim/MaPLe/sample.yaml"
+PROMPTS = {"ctx"} | {f"compound_prompts_text.{i}" for i in range(DEPTH - 1)}
+
+
+def write_deep_clip(folder: str) -> list[str]:
+    """Write the 4-block tiny CLIP to ``folder``; the options that select it (plus TINY_OPTS)."""
+    cfg_path, ckpt = write_tiny_clip(folder, config=DEEP_CLIP)
+    backbone = ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path]
+    return [*backbone, "MODEL.BACKBONE.PATH", ckpt, *TINY_OPTS]
+
+
+@pytest.fixture(scope="module")
+def deep_opts(tmp_path_factory):
+    return write_deep_clip(str(tmp_path_factory.mktemp("deep_clip")))
+
+
+@pytest.fixture(scope="module")
+def clip_model(deep_opts):
+    return load_clip(make_cfg(deep_opts[:6]))
+
+
+def trainer_opts(root, out, deep_opts, trainer="MaPLe", prec="fp32", *extra):
+    key = f"TRAINER.{trainer.upper()}"
+    return [
+        "--root", root, "--seed", "1", "--output-dir", out, *deep_opts,
+        f"{key}.PREC", prec, f"{key}.PROMPT_DEPTH", str(DEPTH), f"{key}.N_CTX", str(N_CTX),
+        "OPTIM.NAME", "sgd", "OPTIM.LR", "0.01", "OPTIM.MAX_EPOCH", "1",
+        "DATASET.NUM_SHOTS", "2", "TEST.NO_TEST", "True", *extra,
+    ]  # fmt: skip
+
+
+def build(tmp_path, root, deep_opts, *extra, trainer="MaPLe", prec="fp32", optim_file=""):
+    """An in-process trainer; ``optim_file``: a file under configs/optim/<trainer>/."""
+    flags = ["--optim-config-file", osp.join(ROOT, optim_file)] if optim_file else []
+    opts = trainer_opts(root, str(tmp_path / f"out_{prec}"), deep_opts, trainer, prec, *extra)
+    return build_trainer(make_cfg(flags + opts, trainer=trainer))
+
+
+def steps_until_update(tr, param: str = "ctx") -> dict:
+    """Training steps (as the engine runs them) until ``learnable.<param>`` changes: amp's
+    first steps may be skipped while the GradScaler backs off from an overflow."""
+    tr.set_model_mode("train")
+    before = dict(tr.model.learnable.named_parameters())[param].detach().clone()
+    for i, batch in enumerate(tr.train_loader_x):
+        tr.batch_idx = i
+        out = tr.forward_backward(batch)
+        if not torch.equal(before, dict(tr.model.learnable.named_parameters())[param]):
+            return out
+    raise AssertionError(f"{param} never changed in {len(tr.train_loader_x)} steps")
+
+
+def record_blocks(blocks) -> tuple[list, list]:
+    """Inputs and outputs of every block in ``blocks`` (forward hooks), and the handles."""
+    inputs, outputs = [None] * len(blocks), [None] * len(blocks)
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def pre(_, args, i=i):
+            inputs[i] = args[0].detach().clone()
+
+        def post(_, args, out, i=i):
+            outputs[i] = out.detach().clone()
+
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    return inputs, outputs, handles
+
+
+# ----------------------------------------------------------------------------------------------
+# The vision seam
+# ----------------------------------------------------------------------------------------------
+def test_vision_encoder_without_prompts_is_open_clips_forward(clip_model):
+    images = torch.randn(3, 3, 32, 32)
+    enc = PromptedVisionEncoder(clip_model)
+    with torch.no_grad():
+        assert torch.equal(enc(images), clip_model.visual(images))
+    # appended tokens never reach the pooled output directly (class-token pooling)
+    x = enc.embed(images, torch.randn(N_CTX, enc.width))
+    assert x.shape == (3, 1 + 16 + N_CTX, 64)
+
+
+def test_resnet_backbone_is_a_clear_error():
+    cfg = {**DEEP_CLIP, "vision_cfg": {"image_size": 64, "layers": [1, 1, 1, 1], "width": 16}}
+    resnet_clip = build_clip(cfg)
+    with pytest.raises(BackboneError, match="need a ViT image encoder.*ModifiedResNet"):
+        MultiModalPromptLearner(CLASSES, resnet_clip)
+
+
+# ----------------------------------------------------------------------------------------------
+# The prompt learner
+# ----------------------------------------------------------------------------------------------
+def test_token_positions_follow_maple(clip_model):
+    """ "a photo of a {class}." with positions 1..N_CTX learnable, initialised from the first
+    N_CTX words; the other words stay as fixed tokens."""
+    pl = MultiModalPromptLearner(CLASSES, clip_model, n_ctx=N_CTX, depth=DEPTH)
+    names = [c.replace("_", " ") for c in CLASSES]
+    tokens = tokenize([f"a photo of a {n}." for n in names])
+    emb = clip_model.token_embedding(tokens).detach()  # [n_cls, 77, width]
+    out = pl()
+    seq = out.text.shape[1]
+    assert seq < 77 and torch.equal(pl.eot_idx, tokens.argmax(-1))
+    assert torch.equal(pl.ctx.data, emb[0, 1 : 1 + N_CTX])  # "a", "photo"
+    assert torch.equal(out.text.detach(), emb[:, :seq])  # ctx == its init: the whole sentence
+    with torch.no_grad():
+        pl.ctx.add_(1.0)
+    text = pl().text.detach()
+    assert torch.equal(text[:, 1 : 1 + N_CTX], (emb[0, 1 : 1 + N_CTX] + 1).expand(3, -1, -1))
+    assert torch.equal(text[:, :1], emb[:, :1]) and torch.equal(
+        text[:, 1 + N_CTX :], emb[:, 1 + N_CTX : seq]
+    )
+    # shapes and dtypes of the learnable part; every deep projection starts from one init
+    assert pl.ctx.dtype == torch.float32 and pl.proj.weight.shape == (64, 32)
+    assert [tuple(p.shape) for p in pl.compound_prompts_text] == [(N_CTX, 32)] * (DEPTH - 1)
+    w = [layer.weight for layer in pl.compound_prompt_projections]
+    assert len(w) == DEPTH - 1 and torch.equal(w[0], w[1]) and w[0] is not w[1]
+    assert out.vision.shape == (N_CTX, 64) and len(out.deep_vision) == DEPTH - 1
+
+
+def test_prompt_learner_rejects_bad_settings(clip_model):
+    with pytest.raises(ValueError, match="N_CTX 5 is larger than the 4 words"):
+        MultiModalPromptLearner(CLASSES, clip_model, n_ctx=5, depth=DEPTH)
+    with pytest.raises(ValueError, match="PROMPT_DEPTH must be between 1 and .* \\(4\\), got 5"):
+        MultiModalPromptLearner(CLASSES, clip_model, depth=5)
+    rand = MultiModalPromptLearner(CLASSES, clip_model, n_ctx=3, ctx_init="", depth=1)
+    assert rand.prompt_prefix == "X X X" and len(rand.compound_prompts_text) == 0
+
+
+def test_checkpoint_state_is_only_learnable(clip_model):
+    pl = MultiModalPromptLearner(CLASSES, clip_model, n_ctx=N_CTX, depth=DEPTH)
+    assert set(pl.state_dict()) == PROMPTS | PROJECTIONS  # no token buffers, no CLIP weights
+
+
+def test_deep_prompts_enter_the_right_blocks_at_the_right_positions(clip_model):
+    torch.manual_seed(0)
+    pl = MultiModalPromptLearner(CLASSES, clip_model, n_ctx=N_CTX, depth=DEPTH)
+    with torch.no_grad():
+        for p in pl.parameters():
+            p.add_(torch.randn_like(p))
+    model = MaPLeCLIP(pl, clip_model)
+    t_in, t_out, h1 = record_blocks(clip_model.transformer.resblocks)
+    v_in, v_out, h2 = record_blocks(clip_model.visual.transformer.resblocks)
+    with torch.no_grad():
+        logits = model(torch.randn(2, 3, 32, 32))
+        deep_vision = [
+            layer(p) for layer, p in zip(pl.compound_prompt_projections, pl.compound_prompts_text)
+        ]
+        block0_vision = clip_model.visual.ln_pre(pl.proj(pl.ctx))
+    for h in h1 + h2:
+        h.remove()
+    assert logits.shape == (2, len(CLASSES))
+    n = N_CTX
+    # text: block 0 gets ctx (+ positional embedding); blocks 1..DEPTH-1 the deep prompts
+    pos = clip_model.positional_embedding[1 : 1 + n]
+    assert torch.allclose(t_in[0][:, 1 : 1 + n], pl.ctx.detach() + pos, atol=1e-6)
+    for i in range(1, DEPTH):
+        deep = pl.compound_prompts_text[i - 1].detach().expand(len(CLASSES), -1, -1)
+        assert torch.equal(t_in[i][:, 1 : 1 + n], deep)
+        assert torch.equal(t_in[i][:, :1], t_out[i - 1][:, :1])
+        assert torch.equal(t_in[i][:, 1 + n :], t_out[i - 1][:, 1 + n :])
+    for i in range(DEPTH, 4):
+        assert torch.equal(t_in[i], t_out[i - 1])  # propagated, not replaced
+    # vision: 1 class + 16 patch tokens + n prompts; prompts are the last n tokens
+    assert v_in[0].shape == (2, 1 + 16 + n, 64)
+    assert torch.allclose(v_in[0][:, -n:], block0_vision.expand(2, -1, -1), atol=1e-5)
+    for i in range(1, DEPTH):
+        assert torch.equal(v_in[i][:, -n:], deep_vision[i - 1].expand(2, -1, -1))
+        assert torch.equal(v_in[i][:, :-n], v_out[i - 1][:, :-n])
+    for i in range(DEPTH, 4):
+        assert torch.equal(v_in[i], v_out[i - 1])
+
+
+def test_truncated_text_equals_full_length(clip_model):
+    torch.manual_seed(0)
+    pl = MultiModalPromptLearner(CLASSES, clip_model, n_ctx=N_CTX, depth=DEPTH)
+    with torch.no_grad():
+        pl.ctx.add_(torch.randn_like(pl.ctx))
+    model = MaPLeCLIP(pl, clip_model)
+    names = [c.replace("_", " ") for c in CLASSES]
+    tokens = tokenize([f"a photo of a {n}." for n in names])  # [n_cls, 77]
+    with torch.no_grad():
+        prompts = pl()
+        emb = clip_model.token_embedding(tokens)
+        ctx = pl.ctx.expand(len(names), -1, -1)
+        full = torch.cat([emb[:, :1], ctx, emb[:, 1 + N_CTX :]], dim=1)  # [n_cls, 77, width]
+        hook = text_prompt_hook(prompts.deep_text, N_CTX)
+        want = TextEncoder(clip_model)(full, tokens.argmax(-1), layer_hook=hook)
+        got = model.text_features(prompts)
+    assert prompts.text.shape[1] < 77
+    assert (got - want).abs().max().item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------------------------
+def test_trainer_trains_only_the_prompt_learner(tmp_path, dtd_root, deep_opts):
+    tr = build(tmp_path, dtd_root, deep_opts)
+    trainable = {n for n, p in tr.model.named_parameters() if p.requires_grad}
+    assert trainable == {f"prompt_learner.{n}" for n in PROMPTS | PROJECTIONS}
+    images = next(iter(tr.test_loader))["img"]
+    with torch.no_grad():
+        assert tr.model(images).shape == (images.shape[0], tr.num_classes)
+    tr.save_model(0, str(tmp_path / "ckpt"))
+    path = osp.join(tmp_path, "ckpt", "MultiModalPromptLearner", "model.pth.tar-1")
+    state = torch.load(path, weights_only=True)["state_dict"]
+    assert set(state) == PROMPTS | PROJECTIONS
+
+
+def _paper_freeze_patterns(trainer: str) -> dict:
+    values = {}
+    for name in ("sam", "fsam", "sagm", "sample"):
+        cfg = make_cfg(
+            ["--optim-config-file", osp.join(ROOT, f"configs/optim/{trainer}/{name}.yaml")]
+        )
+        values[name] = cfg.OPTIM.SAM
+    return values
+
+
+def test_configs_hold_the_published_values():
+    cfg = make_cfg([], trainer="MaPLe", config_file=MAPLE_CFG)
+    o, m = cfg.OPTIM, cfg.TRAINER.MAPLE
+    assert (cfg.DATALOADER.TRAIN_X.BATCH_SIZE, cfg.DATALOADER.TEST.BATCH_SIZE) == (4, 100)
+    assert (o.NAME, o.LR, o.MAX_EPOCH, o.LR_SCHEDULER) == ("sgd", 0.0035, 5, "cosine")
+    assert (o.WARMUP_EPOCH, o.WARMUP_TYPE, o.WARMUP_CONS_LR) == (1, "constant", 1e-5)
+    assert (m.N_CTX, m.CTX_INIT, m.PREC, m.PROMPT_DEPTH) == (2, "a photo of a", "fp16", 9)
+    assert cfg.INPUT.INTERPOLATION == "bicubic" and cfg.TRAIN.PRINT_FREQ == 20
+    assert cfg.INPUT.TRANSFORMS == ("random_resized_crop", "random_flip", "normalize")
+    cross = make_cfg(
+        [], trainer="MaPLe", config_file=MAPLE_CFG.replace(".yaml", "_cross_datasets.yaml")
+    )
+    assert (cross.OPTIM.LR, cross.OPTIM.MAX_EPOCH, cross.TRAINER.MAPLE.PROMPT_DEPTH) == (
+        0.0026,
+        2,
+        3,
+    )
+    # the paper's MaPLe values; the stage switch freezes exactly the projections
+    paper = {
+        "sam": (0.05,),
+        "sagm": (0.10, 0.001),
+        "fsam": (0.05, 0.15),
+        "sample": (0.10, 0.0015, 0.15),
+    }
+    names = PROMPTS | PROJECTIONS
+    for name, sam in _paper_freeze_patterns("MaPLe").items():
+        got = (
+            (sam.RHO, sam.ALPHA, sam.LAMBDA)[: len(paper[name])]
+            if name != "fsam"
+            else (sam.RHO, sam.LAMBDA)
+        )
+        assert sam.NAME == name and got == paper[name] and sam.START_EPOCH == 3
+        frozen = {n for n in names if any(fnmatch.fnmatch(n, p) for p in sam.FREEZE)}
+        assert frozen == PROJECTIONS
+
+
+def test_input_size_must_be_the_clip_image_size(tmp_path, dtd_root, deep_opts):
+    with pytest.raises(ValueError, match=r"INPUT.SIZE \(64, 64\) differs from the CLIP image size"):
+        build(tmp_path, dtd_root, deep_opts, "INPUT.SIZE", "(64, 64)")
+
+
+def test_stage_that_never_starts_is_an_error(tmp_path, dtd_root, deep_opts):
+    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "2", optim_file=SAMPLE_FILE)
+    with pytest.raises(ValueError, match="START_EPOCH 3 >= OPTIM.MAX_EPOCH 2"):
+        tr.train()
+
+
+def staged_run(tr) -> dict:
+    """Train with snapshots of the learnable state at the start of every epoch."""
+    snaps = {}
+    before = tr.before_epoch
+
+    def before_epoch():
+        before()
+        snaps[tr.epoch] = {
+            k: v.detach().clone() for k, v in tr.model.learnable.state_dict().items()
+        }
+
+    tr.before_epoch = before_epoch
+    tr.train()
+    snaps["end"] = {k: v.detach().clone() for k, v in tr.model.learnable.state_dict().items()}
+    return snaps
+
+
+def check_staged(tr, snaps, frozen: set, trained: set) -> None:
+    params = dict(tr.model.learnable.named_parameters())
+    assert {n for n, p in params.items() if not p.requires_grad} == frozen
+    for name in frozen:
+        assert not torch.equal(snaps[0][name], snaps[1][name]), name  # trained in stage 1
+        assert torch.equal(snaps[1][name], snaps["end"][name]), name  # frozen in stage 2
+    for name in trained:
+        assert not torch.equal(snaps[1][name], snaps["end"][name]), name
+
+
+def test_staged_training_freezes_the_projections(tmp_path, dtd_root, deep_opts):
+    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1",
+               optim_file=SAMPLE_FILE)  # fmt: skip
+    check_staged(tr, staged_run(tr), frozen=PROJECTIONS, trained=PROMPTS)
+
+
+@pytest.mark.parametrize("prec", ["fp32", "fp16", "amp", "bf16"])
+@pytest.mark.parametrize("name", ["", "sample"])
+def test_one_step_in_every_precision(tmp_path, dtd_root, deep_opts, prec, name):
+    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.SAM.NAME", name, prec=prec)
+    out = steps_until_update(tr)
+    assert torch.isfinite(out["loss"])
+    for k, v in tr.model.learnable.state_dict().items():
+        assert v.dtype == torch.float32 and torch.isfinite(v).all(), k
+    if name:
+        assert "grad_norm" in out  # the two-pass step ran
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py: base classes with SGD and with SAMPLe (staged), then the new classes
+# ----------------------------------------------------------------------------------------------
+def train_py_args(root, out, deep_opts, trainer, config_files, *extra):
+    key = f"TRAINER.{trainer.upper()}"
+    config_files = [config_files] if isinstance(config_files, str) else config_files
+    return [
+        "--root", root, "--seed", "1", "--trainer", trainer,
+        "--dataset-config-file", osp.join(ROOT, "configs/datasets/dtd.yaml"),
+        "--config-file", *[osp.join(ROOT, f) for f in config_files], "--output-dir", out,
+        *deep_opts,
+        f"{key}.PREC", "fp32", f"{key}.PROMPT_DEPTH", str(DEPTH), f"{key}.N_CTX", str(N_CTX),
+        "DATASET.NUM_SHOTS", "2", *extra,
+    ]  # fmt: skip
+
+
+def accuracy(log: str) -> float:
+    return float(re.findall(r"\* accuracy: ([\d.]+)%", log)[-1])
+
+
+def check_base_to_new(tmp_path, dtd_root, deep_opts, trainer, config_files, names, *extra):
+    """SGD and staged SAMPLe runs on the base classes, then the new classes from the SAMPLe
+    checkpoint."""
+    sgd_out, sam_out = str(tmp_path / "sgd"), str(tmp_path / "sample")
+    base = ("DATASET.SUBSAMPLE_CLASSES", "base", *extra)
+    run_train(train_py_args(dtd_root, sgd_out, deep_opts, trainer, config_files, *base,
+                            "OPTIM.MAX_EPOCH", "1"))  # fmt: skip
+    log = open(osp.join(sgd_out, "log.txt")).read()
+    assert "Optimizer: sgd over" in log and 0 <= accuracy(log) <= 100
+    assert re.search(r"# classes\s+4\n", log)  # DTD's 7 classes: 4 base
+    optim_file = osp.join(ROOT, f"configs/optim/{trainer}/sample.yaml")
+    run_train(["--optim-config-file", optim_file]
+              + train_py_args(dtd_root, sam_out, deep_opts, trainer, config_files, *base,
+                              "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1"))  # fmt: skip
+    log = open(osp.join(sam_out, "log.txt")).read()
+    assert "Optimizer: sample(sgd)" in log and "cos_g_gp" in log
+    assert "Epoch 2: the sharpness-aware stage starts; frozen: MultiModalPromptLearner." in log
+    ckpt = torch.load(
+        osp.join(sam_out, "MultiModalPromptLearner", "model.pth.tar-2"), weights_only=True
+    )
+    assert set(ckpt["state_dict"]) == names
+    new_out = str(tmp_path / "new")
+    eval_flags = ["--eval-only", "--model-dir", sam_out, "--load-epoch", "2"]
+    new = ("DATASET.SUBSAMPLE_CLASSES", "new", *extra)
+    run_train(eval_flags + train_py_args(dtd_root, new_out, deep_opts, trainer, config_files, *new))
+    log = open(osp.join(new_out, "log.txt")).read()
+    assert 'Loading weights to MultiModalPromptLearner from "' in log
+    assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100  # 3 new classes
+
+
+@pytest.mark.slow
+def test_train_py_base_to_new(tmp_path, dtd_root, deep_opts):
+    check_base_to_new(tmp_path, dtd_root, deep_opts, "MaPLe", MAPLE_CFG, PROMPTS | PROJECTIONS)
