@@ -404,6 +404,15 @@ class SimpleTrainer(TrainerBase):
         super().train(self.start_epoch, self.max_epoch)
 
     def before_train(self):
+        sam = self.cfg.OPTIM.SAM
+        if sam.NAME and sam.START_EPOCH >= self.max_epoch:
+            raise ValueError(
+                f"OPTIM.SAM.NAME is {sam.NAME!r} but its stage never starts: "
+                f"OPTIM.SAM.START_EPOCH {sam.START_EPOCH} >= OPTIM.MAX_EPOCH {self.max_epoch}. "
+                "Set OPTIM.SAM.START_EPOCH below MAX_EPOCH (e.g. OPTIM.SAM.START_EPOCH 1 for "
+                "MaPLe's 2-epoch cross-dataset config), or OPTIM.SAM.NAME '' for the base "
+                "optimizer only"
+            )
         directory = self.cfg.RESUME or self.cfg.OUTPUT_DIR
         self.start_epoch = self.resume_model_if_exist(directory)
         self.init_writer(osp.join(self.output_dir, "tensorboard"))

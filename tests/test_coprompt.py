@@ -174,8 +174,10 @@ def test_missing_description_file_names_the_expected_file(tmp_path, dtd_root, de
     expected = osp.join(str(empty), "dtd_prompt.json")
     with pytest.raises(FileNotFoundError, match=re.escape(f"expected file {expected} does not")):
         tr.train()
+    # empty DESCRIPTIONS_DIR: the files are looked for next to the datasets
     tr = coprompt(tmp_path, dtd_root, deep_opts, "")
-    with pytest.raises(FileNotFoundError, match="DESCRIPTIONS_DIR is empty.*FALLBACK_TEMPLATES"):
+    expected = osp.join(dtd_root, "coprompt_descriptions", "dtd_prompt.json")
+    with pytest.raises(FileNotFoundError, match=re.escape(expected) + ".*FALLBACK_TEMPLATES"):
         tr.train()
 
 

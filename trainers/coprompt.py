@@ -83,7 +83,8 @@ def add_coprompt_config(cfg) -> None:
     node.ADAPTER_REDUCTION = 4  # adapter hidden width = feature dim / this (512 -> 128)
     node.DISTILL_LOSS = "cos"  # cos: 1 - mean cosine | mse: mean squared error (normalised)
     # folder with CoPrompt's description files <key>_prompt.json ({class name: [sentences]});
-    # keys: DESCRIPTION_FILE_KEYS in trainers/coprompt.py (e.g. DescribableTextures -> dtd)
+    # keys: DESCRIPTION_FILE_KEYS in trainers/coprompt.py (e.g. DescribableTextures -> dtd).
+    # Empty: DATASET.ROOT/coprompt_descriptions (keep them next to the datasets)
     node.DESCRIPTIONS_DIR = ""
     # True: without a description file, use the dataset's hand-crafted CoOp template as the
     # only "description" of each class (otherwise a missing file is an error)
@@ -167,8 +168,10 @@ def description_file(cfg) -> str:
     """``<DESCRIPTIONS_DIR>/<key>_prompt.json`` for ``cfg.DATASET.NAME``."""
     name = cfg.DATASET.NAME
     key = DESCRIPTION_FILE_KEYS.get(name, name.lower())
-    folder = osp.expanduser(cfg.TRAINER.COPROMPT.DESCRIPTIONS_DIR)
-    return osp.join(folder, f"{key}_prompt.json")
+    folder = cfg.TRAINER.COPROMPT.DESCRIPTIONS_DIR or osp.join(
+        cfg.DATASET.ROOT, "coprompt_descriptions"
+    )
+    return osp.join(osp.expanduser(folder), f"{key}_prompt.json")
 
 
 def _find_class(table: dict, lowered: dict, name: str) -> str | None:
@@ -224,7 +227,7 @@ def class_descriptions(cfg, classnames: list[str]) -> list[list[str]]:
     the dataset's hand-crafted template when there is no file."""
     node = cfg.TRAINER.COPROMPT
     path = description_file(cfg)
-    if node.DESCRIPTIONS_DIR and osp.isfile(path):
+    if osp.isfile(path):
         logger.info("CoPrompt text teacher: descriptions from %s", path)
         return read_descriptions(path, classnames)
     if node.FALLBACK_TEMPLATES:
@@ -236,16 +239,12 @@ def class_descriptions(cfg, classnames: list[str]) -> list[list[str]]:
             template,
         )
         return [[template.format(name.replace("_", " "))] for name in classnames]
-    where = (
-        f"the expected file {path} does not exist"
-        if node.DESCRIPTIONS_DIR
-        else f"TRAINER.COPROMPT.DESCRIPTIONS_DIR is empty (expected file: {path})"
-    )
     raise FileNotFoundError(
-        f"CoPrompt needs LLM-written class descriptions for {cfg.DATASET.NAME}: {where}. Set "
-        "TRAINER.COPROMPT.DESCRIPTIONS_DIR to the folder with CoPrompt's <key>_prompt.json "
-        "files (its gpt_file folder), or TRAINER.COPROMPT.FALLBACK_TEMPLATES True to use the "
-        "dataset's hand-crafted template instead."
+        f"CoPrompt needs LLM-written class descriptions for {cfg.DATASET.NAME}: the expected "
+        f"file {path} does not exist. Put CoPrompt's <key>_prompt.json files (its gpt_file "
+        "folder) in DATA/coprompt_descriptions/ or set TRAINER.COPROMPT.DESCRIPTIONS_DIR to "
+        "their folder; or set TRAINER.COPROMPT.FALLBACK_TEMPLATES True to use the dataset's "
+        "hand-crafted template instead."
     )
 
 

@@ -299,17 +299,6 @@ class MaPLe(TrainerX):
         self.sched = build_lr_scheduler(self.optim, self.cfg.OPTIM)
         self.register_model(self.model_name, learnable, self.optim, self.sched)
 
-    def before_train(self):
-        sam = self.cfg.OPTIM.SAM
-        if sam.NAME and sam.START_EPOCH >= self.max_epoch:
-            raise ValueError(
-                f"OPTIM.SAM.NAME is {sam.NAME!r} but its stage never starts: "
-                f"OPTIM.SAM.START_EPOCH {sam.START_EPOCH} >= OPTIM.MAX_EPOCH {self.max_epoch}. "
-                "Set OPTIM.SAM.START_EPOCH below MAX_EPOCH (e.g. OPTIM.SAM.START_EPOCH 1 for the "
-                "2-epoch cross-dataset config), or OPTIM.SAM.NAME '' for the base optimizer only"
-            )
-        super().before_train()
-
     def compute_loss(self, inputs):
         image, label = inputs
         prompts = self.model.prompt_learner()
