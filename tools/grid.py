@@ -21,6 +21,9 @@ Examples::
     python tools/grid.py --trainers CoOp MaPLe --optims sgd sample --datasets dtd eurosat \\
         --seeds 1 2 3 --data DATA -- MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
     python tools/grid.py --preset paper-transfer --slurm --slurm-partition gpu --data DATA
+    python tools/grid.py --preset sweep --dry-run     # Figure 3: rho and lambda sweeps
+    python tools/grid.py --preset sweep-rho --trainers CoOp --datasets dtd \
+        --sweep OPTIM.SAM.RHO 0.02 0.1 --data DATA   # own values; tools/plot_sweep.py plots them
 
 Everything after ``--`` is passed to every train.py command as KEY VALUE options (options that
 change the experiment belong with a ``--tag``, or their runs share the default folders).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import os
 import os.path as osp
 import shlex
@@ -68,7 +72,11 @@ class GridError(ValueError):
 
 @dataclass(frozen=True)
 class SubGrid:
-    """One rectangular block of a grid (defaults: the paper's datasets, targets and seeds)."""
+    """One rectangular block of a grid (defaults: the paper's datasets, targets and seeds).
+
+    ``variants``: the points of a sweep, each a tuple of KEY VALUE options given to every run of
+    a chain and named in its folder tag (``tools/protocols.py``); ``((),)``: no sweep.
+    """
 
     protocols: tuple[str, ...]
     trainers: tuple[str, ...]
@@ -77,15 +85,45 @@ class SubGrid:
     seeds: tuple[int, ...] = (1, 2, 3)
     xd_targets: tuple[str, ...] = TARGETS["cross_dataset"]
     dg_targets: tuple[str, ...] = TARGETS["domain_gen"]
+    variants: tuple[tuple[str, ...], ...] = ((),)
+
+
+def sweep_variants(key: str, values) -> tuple[tuple[str, ...], ...]:
+    """One variant per value of config ``key``: ``((key, v1), (key, v2), ...)``."""
+    return tuple((key, str(v)) for v in values)
 
 
 _TRANSFER = ("cross_dataset", "domain_gen")
+# The sweeps of the paper's Figure 3 (ImageNet; CoOp, CoCoOp, MaPLe). The paper does not list
+# its values: these span its deployed rho (0.05/0.10) and lambda (0.15) on both sides.
+SWEEP_RHO = (0.01, 0.02, 0.05, 0.1, 0.2)
+SWEEP_LAMBDA = (0.05, 0.15, 0.3, 0.5, 0.7, 0.9)
+_SWEEP = {
+    "protocols": ("base2new",),
+    "trainers": ("CoOp", "CoCoOp", "MaPLe"),
+    "datasets": ("imagenet",),
+}
 PRESETS = {
     "paper-base2new": (SubGrid(("base2new",), TRAINERS, OPTIMIZERS),),
     "paper-transfer": (SubGrid(_TRANSFER, TRAINERS, ("sgd", "sample")),),
     "paper-ablation": (SubGrid(("base2new",), ("CoPrompt",), ("sgd", "sam", "sagm", "sample")),),
+    "sweep-rho": (
+        SubGrid(
+            optims=("sam", "fsam", "sagm", "sample"),
+            variants=sweep_variants("OPTIM.SAM.RHO", SWEEP_RHO),
+            **_SWEEP,
+        ),
+    ),
+    "sweep-lambda": (
+        SubGrid(
+            optims=("fsam", "sample"),
+            variants=sweep_variants("OPTIM.SAM.LAMBDA", SWEEP_LAMBDA),
+            **_SWEEP,
+        ),
+    ),
 }
 PRESETS["paper"] = PRESETS["paper-base2new"] + PRESETS["paper-transfer"]
+PRESETS["sweep"] = PRESETS["sweep-rho"] + PRESETS["sweep-lambda"]
 AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
 
 
@@ -129,15 +167,14 @@ def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
             ("cross_dataset", t) for t in grid.xd_targets if "cross_dataset" in grid.protocols
         ]
         targets += [("domain_gen", t) for t in grid.dg_targets if "domain_gen" in grid.protocols]
-        for trainer in grid.trainers:
-            for optim in grid.optims:
-                if "base2new" in grid.protocols:
-                    for dataset in grid.datasets:
-                        for seed in grid.seeds:
-                            add(base2new_chain(setup, trainer, optim, dataset, seed))
-                if targets:
+        for trainer, optim, variant in itertools.product(grid.trainers, grid.optims, grid.variants):
+            if "base2new" in grid.protocols:
+                for dataset in grid.datasets:
                     for seed in grid.seeds:
-                        add(transfer_chain(setup, trainer, optim, seed, targets))
+                        add(base2new_chain(setup, trainer, optim, dataset, seed, variant))
+            if targets:
+                for seed in grid.seeds:
+                    add(transfer_chain(setup, trainer, optim, seed, targets, variant))
     return list(chains.values())
 
 
@@ -334,17 +371,44 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
         metavar="[TRAINER=]CFG",
         help="trainer config names (configs/trainers/<TRAINER>/<CFG>.yaml) overriding defaults",
     )
+    g.add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="KEY VALUE",
+        help="sweep a config key, e.g. --sweep OPTIM.SAM.RHO 0.02 0.05 0.1 (replaces the values "
+        "of a sweep preset; runs go to {cfg}+{optim}-rho0.02 ...)",
+    )
     lay = parser.add_argument_group("layout")
     lay.add_argument("--output", default=os.environ.get("OUTPUT") or "output", help="output root")
     lay.add_argument("--shots", type=int, default=16, help="training shots per class")
     lay.add_argument("--tag", default="", help="suffix of the optimizer folder component")
 
 
+def apply_sweep(grids: list[SubGrid], sweep: list[str] | None) -> list[SubGrid]:
+    """``--sweep KEY V1 V2 ...``: sweep config ``KEY`` over the values.
+
+    Sub-grids that sweep ``KEY`` (a preset's) get these values instead of theirs; without such
+    a sub-grid every sub-grid sweeps ``KEY`` (e.g. a grid given by ``--trainers``).
+    """
+    if not sweep:
+        return grids
+    if len(sweep) < 2:
+        raise GridError(f"--sweep {' '.join(sweep)}: give a config key and its values")
+    key, values = sweep[0], sweep[1:]
+    variants = sweep_variants(key, values)
+    swept = [g for g in grids if any(v[:1] == (key,) for v in g.variants)]
+    if swept:
+        return [replace(g, variants=variants) if g in swept else g for g in grids]
+    if any(v for g in grids for v in g.variants):
+        raise GridError(f"--sweep {key}: the preset sweeps other keys; choose a matching preset")
+    return [replace(g, variants=variants) for g in grids]
+
+
 def grids_from_args(args) -> list[SubGrid]:
     grids = select(args.preset, **{k: getattr(args, k) for k in AXES})
     if not grids:
         raise GridError("The selection is empty: no part of the preset matches the given axes")
-    return grids
+    return apply_sweep(grids, getattr(args, "sweep", None))
 
 
 def setup_from_args(args, opts: list[str] | None = None) -> Setup:

@@ -12,6 +12,9 @@ component (``{cfg}`` -> ``{cfg}+{optim}``; plain ``sgd`` runs keep CoOp's exact 
 Cross-dataset (10 targets) and domain generalization (4 ImageNet variants) evaluate the same
 ImageNet training runs. A ``tag`` (for runs whose extra options change the experiment, e.g. a
 rho sweep) makes the component ``{cfg}+{optim}-{tag}``. Config names must not contain ``+``.
+A chain's ``variant`` (KEY VALUE options of one point of a sweep, see ``tools/grid.py``) is
+passed to all its runs and named in the tag (:func:`options_tag`: ``OPTIM.SAM.RHO 0.1`` ->
+``rho0.1``; after the ``--tag``, if any: ``{tag}_rho0.1``), so sweep points never share a folder.
 
 Config files of a run: ``configs/trainers/{trainer}/{cfg}.yaml``, then the per-dataset
 overlays that exist, in this order: ``configs/trainers/{trainer}/per_dataset/{dataset}.yaml``
@@ -123,7 +126,8 @@ class Run:
         config_files: trainer config and overlay, relative to the repository.
         optim_file: the ``--optim-config-file``.
         model_dir: eval runs: the training run folder.
-        protocol_opts: KEY VALUE options the protocol sets.
+        protocol_opts: KEY VALUE options the protocol sets (the variant's included).
+        variant: KEY VALUE options of a sweep point (named in the folder's tag).
     """
 
     protocol: str
@@ -138,14 +142,16 @@ class Run:
     optim_file: str
     model_dir: str = ""
     protocol_opts: tuple[str, ...] = ()
+    variant: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         step = {"base2new": ("train_base", "test_new")}.get(self.protocol, ("train", "eval"))
         what = step[0] if self.stage == "train" else step[1]
+        variant = f" {options_tag(self.variant)}" if self.variant else ""
         return (
-            f"{self.trainer}{'' if self.optim == 'sgd' else '+' + self.optim} {self.protocol} "
-            f"{what} {self.dataset} seed{self.seed}"
+            f"{self.trainer}{'' if self.optim == 'sgd' else '+' + self.optim}{variant} "
+            f"{self.protocol} {what} {self.dataset} seed{self.seed}"
         )
 
     def command(self, setup: Setup, load_epoch: int | str | None = None) -> list[str]:
@@ -196,6 +202,29 @@ def cfg_component(cfg: str, optim: str, tag: str = "") -> str:
     if optim == "sgd" and not tag:
         return cfg
     return f"{cfg}+{optim}" + (f"-{tag}" if tag else "")
+
+
+def options_tag(opts: tuple[str, ...] | list[str]) -> str:
+    """The folder tag of KEY VALUE options: ``("OPTIM.SAM.RHO", "0.1")`` -> ``rho0.1``.
+
+    Each pair becomes the key's last component in lower case followed by the value; pairs are
+    joined by ``_``. Values may hold letters, digits and ``. -`` only.
+    """
+    if len(opts) % 2:
+        raise ProtocolError(f"Variant options must be KEY VALUE pairs, got {list(opts)}")
+    parts = []
+    for key, value in zip(opts[0::2], opts[1::2]):
+        if not re.fullmatch(r"[A-Za-z0-9.-]+", str(value)):
+            raise ProtocolError(
+                f"Variant value {value!r} of {key}: use letters, digits, '.' or '-' only"
+            )
+        parts.append(f"{key.rsplit('.', 1)[-1].lower()}{value}")
+    return "_".join(parts)
+
+
+def run_tag(setup_tag: str, variant: tuple[str, ...]) -> str:
+    """The tag of a run: the ``--tag`` and the variant's :func:`options_tag`, joined by ``_``."""
+    return "_".join(t for t in (setup_tag, options_tag(variant)) if t)
 
 
 def split_cfg_component(name: str) -> tuple[str, str, str]:
@@ -268,10 +297,15 @@ def missing_files(run: Run) -> list[str]:
 
 
 # -- chains -----------------------------------------------------------------------------------
-def base2new_chain(setup: Setup, trainer: str, optim: str, dataset: str, seed: int) -> Chain:
-    """Train on the base classes of ``dataset``, then test on its new classes."""
+def base2new_chain(
+    setup: Setup, trainer: str, optim: str, dataset: str, seed: int, variant: tuple[str, ...] = ()
+) -> Chain:
+    """Train on the base classes of ``dataset``, then test on its new classes.
+
+    ``variant``: KEY VALUE options of a sweep point, for both runs (named in the folder tag).
+    """
     cfg = setup.cfg_for("base2new", trainer, dataset)
-    comp = cfg_component(cfg, optim, setup.tag)
+    comp = cfg_component(cfg, optim, run_tag(setup.tag, variant))
     train_dir, test_dir = base2new_dirs(setup, dataset, trainer, comp, seed)
     shots = ("DATASET.NUM_SHOTS", str(setup.shots))
     train = Run(
@@ -287,26 +321,35 @@ def base2new_chain(setup: Setup, trainer: str, optim: str, dataset: str, seed: i
         optim_config_file(trainer, optim),
         protocol_opts=protocol_opts(
             trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "base"
-        ),
+        )
+        + tuple(variant),
+        variant=tuple(variant),
     )
     test = replace(
         train,
         stage="eval",
         out_dir=test_dir,
         model_dir=train_dir,
-        protocol_opts=protocol_opts(
-            trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "new"
-        ),
+        protocol_opts=protocol_opts(trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "new")
+        + tuple(variant),
     )
     return Chain(train, [test])
 
 
 def transfer_chain(
-    setup: Setup, trainer: str, optim: str, seed: int, targets: list[tuple[str, str]]
+    setup: Setup,
+    trainer: str,
+    optim: str,
+    seed: int,
+    targets: list[tuple[str, str]],
+    variant: tuple[str, ...] = (),
 ) -> Chain:
-    """Train on ImageNet (all classes), then evaluate on ``[(protocol, target), ...]``."""
+    """Train on ImageNet (all classes), then evaluate on ``[(protocol, target), ...]``.
+
+    ``variant``: KEY VALUE options of a sweep point, for every run (named in the folder tag).
+    """
     cfg = setup.cfg_for("cross_dataset", trainer, SOURCE_DATASET)
-    comp = cfg_component(cfg, optim, setup.tag)
+    comp = cfg_component(cfg, optim, run_tag(setup.tag, variant))
     train_dir, _ = transfer_dirs(setup, trainer, comp, seed, SOURCE_DATASET)
     protocol = targets[0][0] if targets else "cross_dataset"
     train = Run(
@@ -320,7 +363,9 @@ def transfer_chain(
         train_dir,
         trainer_config_files(trainer, cfg, SOURCE_DATASET),
         optim_config_file(trainer, optim),
-        protocol_opts=protocol_opts(trainer, cfg, optim, "DATASET.NUM_SHOTS", str(setup.shots)),
+        protocol_opts=protocol_opts(trainer, cfg, optim, "DATASET.NUM_SHOTS", str(setup.shots))
+        + tuple(variant),
+        variant=tuple(variant),
     )
     evals = [
         replace(
@@ -330,7 +375,7 @@ def transfer_chain(
             dataset=target,
             out_dir=transfer_dirs(setup, trainer, comp, seed, target)[1],
             model_dir=train_dir,
-            protocol_opts=protocol_opts(trainer, cfg, optim),
+            protocol_opts=protocol_opts(trainer, cfg, optim) + tuple(variant),
         )
         for proto, target in targets
     ]
