@@ -81,6 +81,10 @@ class TrainerBase:
         self._optims[name] = optim
         self._scheds[name] = sched
 
+    def get_model(self, name: str) -> nn.Module:
+        """The registered module ``name`` (e.g. "prompt_learner")."""
+        return self._models[self.get_model_names(name)[0]]
+
     def get_model_names(self, names=None) -> list[str]:
         names_real = list(self._models.keys())
         if names is None:

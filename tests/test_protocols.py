@@ -133,8 +133,13 @@ def test_grid_selection_and_errors():
     with pytest.raises(GridError, match="Unknown preset"):
         select("papers")
     args = grid.build_parser().parse_args(["--preset", "paper", "--optims", "adam"])
-    with pytest.raises(GridError, match="selection is empty"):
+    with pytest.raises(GridError, match="leaves no runs; the preset offers .*'optims'"):
         grid.grids_from_args(args)
+    with pytest.raises(GridError, match="leaves no runs"):
+        select("sweep-rho", datasets=["small_world"])
+    args = make_tables.build_parser().parse_args(["--preset", "sweep-rho"])
+    with pytest.raises(GridError, match="would merge the values of a sweep"):
+        make_tables.build_tables(args)
     args = grid.build_parser().parse_args(["--trainers", "CoOp", "MaPLe", "--cfg", "x"])
     with pytest.raises(GridError, match="TRAINER=x"):
         grid.setup_from_args(args)

@@ -147,7 +147,18 @@ def select(preset: str | None, **axes) -> list[SubGrid]:
     for grid in PRESETS[preset]:
         sub = {k: tuple(x for x in getattr(grid, k) if x in given[k]) for k in given}
         grids.append(replace(grid, **sub))
-    return [g for g in grids if all(getattr(g, k) for k in ("protocols", "trainers", "optims"))]
+    kept = [g for g in grids if all(getattr(g, k) for k in ("protocols", "trainers", "optims"))]
+    kept = [g for g in kept if g.datasets or "base2new" not in g.protocols]
+    if not kept:
+        offered = {
+            k: sorted({x for g in PRESETS[preset] for x in getattr(g, k)}, key=str) for k in given
+        }
+        raise GridError(
+            f"Narrowing preset {preset!r} to {given} leaves no runs; the preset offers "
+            f"{offered}. Without --preset, give the axes explicitly (e.g. --trainers CoOp "
+            "--optims sample --datasets small_world)"
+        )
+    return kept
 
 
 def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:

@@ -125,7 +125,7 @@ def learnable_parameters(trainer, patterns: list[str] | None = None) -> dict[str
     """
     params = {}
     for model_name in trainer.get_model_names():
-        module = trainer._models[model_name]  # the engine has no public accessor for it
+        module = trainer.get_model(model_name)
         for name, p in module.named_parameters():
             if p.requires_grad:
                 params[f"{model_name}.{name}"] = p

@@ -335,6 +335,11 @@ def build_tables(args) -> list[Table]:
     if not args.preset and not args.trainers:
         args.preset = "paper"
     grids = grids_from_args(args)
+    if any(v for g in grids for v in g.variants):
+        raise GridError(
+            "The tables have one cell per trainer x optimizer x dataset and would merge the "
+            "values of a sweep: plot sweeps with tools/plot_sweep.py"
+        )
     stats = collect(expand(grids, setup_from_args(args)))
     grid_rows, datasets, targets = grid_axes(grids)
     wanted = args.tables or TABLE_NAMES
