@@ -353,6 +353,8 @@ class SimpleTrainer(TrainerBase):
         self.scaler = torch.amp.GradScaler(self.device.type) if self.prec == "amp" else None
         self._checks: list[tuple[int, int, torch.Tensor, dict]] = []
         self._stage_applied = False
+        if cfg.SEED >= 0:  # the same seed gives the same model (e.g. random prompt init) in-process
+            set_random_seed(cfg.SEED)
         self.build_data_loader()
         self.build_model()
         self.evaluator = build_evaluator(cfg, lab2cname=self.lab2cname)
