@@ -421,6 +421,9 @@ class SimpleTrainer(TrainerBase):
             )
         directory = self.cfg.RESUME or self.cfg.OUTPUT_DIR
         self.start_epoch = self.resume_model_if_exist(directory)
+        dm = getattr(self, "dm", None)
+        if dm is not None and self.start_epoch < self.max_epoch:
+            dm.cache_training_images()
         self.init_writer(osp.join(self.output_dir, "tensorboard"))
         self.time_start = time.time()
 

@@ -34,6 +34,8 @@ def _loader_batches(dtd_root, cache, budget="4096"):
         ]
     )
     dm = DataManager(cfg)
+    assert dm.train_loader_x.dataset.images is None  # nothing decoded before training starts
+    dm.cache_training_images()
     loader = dm.train_loader_x
     out = []
     for epoch in range(2):

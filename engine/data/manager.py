@@ -195,12 +195,6 @@ class DataManager:
         tfm_test = custom_tfm_test or build_transform(cfg, is_train=False)
         self.tfm_train, self.tfm_test = tfm_train, tfm_test
 
-        images = None
-        if dataset.train_x and cfg.DATALOADER.CACHE_DECODED:
-            from .image_cache import DecodedImageCache
-
-            images = DecodedImageCache.build(cfg, dataset.train_x)
-
         self.train_loader_x = None
         if dataset.train_x:
             self.train_loader_x = build_data_loader(
@@ -211,28 +205,21 @@ class DataManager:
                 is_train=True,
                 sampler_type=cfg.DATALOADER.TRAIN_X.SAMPLER,
                 dataset_wrapper=dataset_wrapper,
-                images=images,
             )
-        self.val_loader = None
-        if dataset.val:
-            self.val_loader = build_data_loader(
+
+        def eval_loader(data_source):
+            return build_data_loader(
                 cfg,
-                dataset.val,
+                data_source,
                 cfg.DATALOADER.TEST.BATCH_SIZE,
                 tfm_test,
                 is_train=False,
                 sampler_type=cfg.DATALOADER.TEST.SAMPLER,
                 dataset_wrapper=dataset_wrapper,
             )
-        self.test_loader = build_data_loader(
-            cfg,
-            dataset.test,
-            cfg.DATALOADER.TEST.BATCH_SIZE,
-            tfm_test,
-            is_train=False,
-            sampler_type=cfg.DATALOADER.TEST.SAMPLER,
-            dataset_wrapper=dataset_wrapper,
-        )
+
+        self.val_loader = eval_loader(dataset.val) if dataset.val else None
+        self.test_loader = eval_loader(dataset.test)
         self._num_classes = dataset.num_classes
         self._num_source_domains = max(len(cfg.DATASET.SOURCE_DOMAINS), 1)
         self._lab2cname = dataset.lab2cname
@@ -251,6 +238,19 @@ class DataManager:
     @property
     def lab2cname(self) -> dict[int, str]:
         return self._lab2cname
+
+    def cache_training_images(self) -> None:
+        """Decode the training images once into memory (``DATALOADER.CACHE_DECODED``).
+
+        Called by the trainer when training starts (not for evaluation-only runs), before the
+        loader's workers exist, so they share the decoded images.
+        """
+        loader = self.train_loader_x
+        if loader is None or not self.cfg.DATALOADER.CACHE_DECODED or loader.dataset.images:
+            return
+        from .image_cache import DecodedImageCache
+
+        loader.dataset.images = DecodedImageCache.build(self.cfg, self.dataset.train_x)
 
     def show_dataset_summary(self) -> None:
         dataset = self.dataset
