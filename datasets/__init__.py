@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registers the readers)
     imagenetv2,
     oxford_flowers,
     oxford_pets,
+    small_world,
     stanford_cars,
     sun397,
     ucf101,
