@@ -8,7 +8,10 @@
 #      optimizer configs, configs/optim/CoOp/) and tested on the 32 new classes, through
 #      tools/grid.py (the protocol of scripts/base2new.sh: same folders, same train.py runs);
 #   4. the Base / New / HM table (tools/make_tables.py and tools/parse_results.py), also written
-#      to $DEMO_OUTPUT/table.txt.
+#      to $DEMO_OUTPUT/table.txt;
+#   5. plots of the first seed's runs in $DEMO_OUTPUT/plots: the training-loss landscape around
+#      the learned prompts (tools/loss_landscape.py, the paper's Figure 1) and the per-step
+#      gradient-alignment diagnostics by stage (tools/plot_alignment.py, Figure 2).
 #
 # Usage: bash scripts/demo.sh
 # Environment [default]:
@@ -58,10 +61,10 @@ fi
 T0=$SECONDS
 step() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
 
-step "1/4 SmallWorld dataset in $DATA"
+step "1/5 SmallWorld dataset in $DATA"
 "$PY" tools/make_small_world.py --root "$DATA" ${WORLD_ARGS[@]+"${WORLD_ARGS[@]}"}
 
-step "2/4 zero-shot CLIP on the base and new classes"
+step "2/5 zero-shot CLIP on the base and new classes"
 for half in base new; do
   run_dir="$OUT/zeroshot/$half/seed1"
   if grep -qs "=> result" "$run_dir/log.txt"; then
@@ -75,10 +78,10 @@ for half in base new; do
   echo "$half: $(grep -o '\* accuracy: .*' "$run_dir/log.txt" | tail -n 1)"
 done
 
-step "3/4 CoOp on the base classes, tested on the new classes (optimizers: $OPTIMS; seeds: $SEEDS)"
+step "3/5 CoOp on the base classes, tested on the new classes (optimizers: $OPTIMS; seeds: $SEEDS)"
 "$PY" tools/grid.py "${GRID[@]}" --data "$DATA" --quiet --no-data-check ${OPTS[@]+"${OPTS[@]}"}
 
-step "4/4 Base / New / HM (test accuracy %, mean over seeds $SEEDS)"
+step "4/5 Base / New / HM (test accuracy %, mean over seeds $SEEDS)"
 {
   "$PY" - "$OUT/zeroshot" <<'EOF'
 import sys
@@ -91,13 +94,25 @@ EOF
   "$PY" tools/make_tables.py "${GRID[@]}" --std
 } | tee "$OUT/table.txt"
 
-# ----------------------------------------------------------------------------------------------
-# PLOTS (issue 6, to be added with the analysis tools, which do not exist yet): the loss
-# landscape of the SGD and SAMPLe prompts (tools/loss_landscape.py on the train_base runs above)
-# and the gradient-alignment diagnostics over training (tools/plot_alignment.py on their
-# scalars.jsonl), written to $OUT/plots/. Nothing is plotted here until then.
-# ----------------------------------------------------------------------------------------------
+step "5/5 plots: loss landscape and gradient alignment (seed ${SEEDS%% *}) in $OUT/plots"
+# the train_base run folders of the first seed, one per optimizer (the layout of tools/protocols.py)
+# shellcheck disable=SC2086  # OPTIMS is a space-separated list
+mapfile -t RUNS < <("$PY" - "$OUT" "$SHOTS" "${SEEDS%% *}" "$EPOCHS" "$CFG" $OPTIMS <<'PYEOF'
+import sys
+
+from tools.protocols import Setup, base2new_chain
+
+out, shots, seed, epochs, cfg, *optims = sys.argv[1:]
+tag = f"ep{epochs}" if epochs else ""
+setup = Setup(output=out, shots=int(shots), tag=tag, cfgs=(("CoOp", cfg),))
+for optim in optims:
+    print(base2new_chain(setup, "CoOp", optim, "small_world", int(seed)).train.out_dir)
+PYEOF
+)
+"$PY" tools/loss_landscape.py "${RUNS[@]}" --out-dir "$OUT/plots/landscape" --root "$DATA" \
+  --points 15 --points-2d 9 --batches 2
+"$PY" tools/plot_alignment.py "${RUNS[@]}" --out "$OUT/plots/alignment.png"
 
 echo
 echo "Done in $((SECONDS - T0)) s. Runs, logs and checkpoints: $OUT/base2new, $OUT/zeroshot;" \
-  "table: $OUT/table.txt"
+  "table: $OUT/table.txt; plots: $OUT/plots"
