@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os.path as osp
 
 import open_clip
 import pytest
@@ -137,3 +138,14 @@ def test_weights_found_in_openai_cache(tmp_path, monkeypatch):
     (tmp_path / ".cache" / "clip" / "ViT-B-16.pt").write_bytes(b"x")
     path, searched = find_weights(make_cfg(["--backbone", "ViT-B/16"]))
     assert path == str(tmp_path / ".cache" / "clip" / "ViT-B-16.pt") and searched == [path]
+
+
+def test_relative_backbone_paths_fall_back_to_the_repository(tmp_path, monkeypatch):
+    from engine.clip.model import REPO_ROOT, resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_path("configs/clip/small_world_clip.json") == osp.join(
+        REPO_ROOT, "configs/clip/small_world_clip.json"
+    )
+    (tmp_path / "configs").mkdir()
+    assert resolve_path("configs") == "configs"  # what exists from the current folder wins

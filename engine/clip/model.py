@@ -57,6 +57,20 @@ _CLIP_KWARGS = (
 )
 
 
+REPO_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+
+def resolve_path(path: str) -> str:
+    """``path`` with ``~`` expanded; a relative path that does not exist from the current folder
+    is taken relative to the repository (so shipped assets work from any folder)."""
+    path = osp.expanduser(path)
+    if not osp.isabs(path) and not osp.exists(path):
+        candidate = osp.join(REPO_ROOT, path)
+        if osp.exists(candidate):
+            return candidate
+    return path
+
+
 class BackboneError(RuntimeError):
     """The CLIP backbone cannot be built or its weights cannot be found/loaded."""
 
@@ -74,6 +88,7 @@ def resolve_name(name: str) -> tuple[str, str]:
 def _model_config(cfg) -> tuple[dict, str]:
     path = cfg.MODEL.BACKBONE.CONFIG
     if path:
+        path = resolve_path(path)
         if not osp.isfile(path):
             raise BackboneError(f"MODEL.BACKBONE.CONFIG file not found: {path}")
         with open(path) as f:
@@ -103,7 +118,7 @@ def find_weights(cfg) -> tuple[str | None, list[str]]:
     searched = []
     path = cfg.MODEL.BACKBONE.PATH
     if path:
-        path = osp.expanduser(path)
+        path = resolve_path(path)
         if osp.isfile(path):
             return path, [path]
         raise BackboneError(f"MODEL.BACKBONE.PATH does not exist: {path}")
