@@ -7,11 +7,16 @@ is exact; the rounding also makes it exact in floating point: attention kernels 
 in blocks of 8/16 lanes, and a ragged length changes their summation order (differences of
 ~1e-6 in fp32), while a multiple of 16 gives bit-identical features to the full 77-token
 sequence on CPU (tests/test_clip.py), at a fraction of the cost.
+
+:func:`full_length_prompts` switches the cut off inside a ``with`` block: models built there keep
+the reference code bases' 77-token prompts (tools/benchmark.py measures the difference, and
+tests/test_performance.py checks that every trainer's outputs are identical either way).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import open_clip
 import torch
@@ -47,10 +52,30 @@ def eot_indices(tokens: torch.Tensor) -> torch.Tensor:
 
 
 SEQ_MULTIPLE = 16
+_FULL_LENGTH = False  # set inside full_length_prompts()
+
+
+@contextmanager
+def full_length_prompts() -> Iterator[None]:
+    """Inside this block :func:`truncate_tokens` keeps every ``context_length`` token.
+
+    Prompt learners and frozen text features built inside it use the full 77-token sequences of
+    the reference code bases: the same features, at the reference cost. For benchmarks and
+    equivalence tests; training never needs it.
+    """
+    global _FULL_LENGTH
+    previous, _FULL_LENGTH = _FULL_LENGTH, True
+    try:
+        yield
+    finally:
+        _FULL_LENGTH = previous
 
 
 def truncated_length(eot_idx: torch.Tensor, context_length: int = 77) -> int:
-    """``max(eot_idx) + 1`` rounded up to a multiple of SEQ_MULTIPLE (at most the context)."""
+    """``max(eot_idx) + 1`` rounded up to a multiple of SEQ_MULTIPLE (at most the context);
+    the whole context inside :func:`full_length_prompts`."""
+    if _FULL_LENGTH:
+        return context_length
     n = int(eot_idx.max()) + 1
     return min(context_length, -(-n // SEQ_MULTIPLE) * SEQ_MULTIPLE)
 

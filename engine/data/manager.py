@@ -119,7 +119,10 @@ class DatasetWrapper(Dataset):
             self._fill(output, img0)
         else:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+                # the CPU generator only: the transforms draw from it, and torch.manual_seed
+                # would also reseed (and, before CUDA is initialised, queue a stack trace for)
+                # every GPU generator per sample
+                torch.random.default_generator.manual_seed(seed)
                 self._fill(output, img0)
         if self.return_img0:
             output["img0"] = self.to_tensor(img0)

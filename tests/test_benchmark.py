@@ -1,0 +1,67 @@
+"""tools/benchmark.py: the timer's protocol, the evaluation arithmetic and a --small smoke run
+(no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from tools.benchmark import TARGETS, Timer, Timing, eval_seconds
+
+
+def test_timer_interleaves_warms_up_and_stops_at_its_budget():
+    order = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    times = Timer("cpu", warmup=2, steps=3, budget_s=100.0).measure(fns)
+    assert order == ["a", "b"] * 5  # 2 warm-up rounds, 3 timed rounds, interleaved
+    assert times["a"].calls == times["b"].calls == 3 and times["a"].seconds >= 0
+    order.clear()
+    times = Timer("cpu", warmup=3, steps=10, budget_s=0.0).measure(fns)
+    assert order == ["a", "b"] * 2  # over budget: one warm-up round, one timed round
+    assert times["a"].calls == 1
+
+
+def test_evaluation_seconds_encode_text_once_or_per_batch():
+    # per call on 10 images: text 2 s (reference 3 s), images 1 s; 1,000 images in batches of 100
+    times = {"setup": Timing(2.0, 1), "infer": Timing(1.0, 1)}
+    times.update(ref_setup=Timing(3.0, 1), ref_infer=Timing(1.0, 1))
+    project, reference = eval_seconds(times, per_call=10, batch=100, n_images=1000)
+    assert project == 2.0 + 10 * 10 * 1.0
+    assert reference == 10 * (3.0 + 10 * 1.0)
+
+
+@pytest.mark.slow
+def test_small_run_writes_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--small", "--steps", "1", "--warmup", "0", "--optims", "sgd,sample"]
+    args += ["--trainers", "CoOp,MaPLe,NoSuchTrainer", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, osp.join(ROOT, "tools", "benchmark.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NoSuchTrainer is not registered: skipped" in proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result) == {*TARGETS, "rows", "device"}
+    assert result["device"].startswith("cpu:")
+    for key in TARGETS:
+        assert math.isfinite(result[key]) and result[key] > 0, key
+        assert key in proc.stdout  # the report names every target
+    rows = result["rows"]
+    assert [(r["trainer"], r["optimizer"]) for r in rows] == [
+        ("CoOp", "sgd"), ("CoOp", "sample"), ("MaPLe", "sgd"), ("MaPLe", "sample")
+    ]  # fmt: skip
+    for r in rows:
+        assert r["prec"] == "fp32" and r["text_tokens"] < r["ref_text_tokens"] == 77
+        assert r["step_ms"] > 0 and r["ref_step_ms"] > 0 and r["eval_images_per_s"] > 0
+        assert r["peak_mem_mb"] is None  # CPU: not measured
+    assert rows[0]["batch"] == 32 and rows[2]["batch"] == 4 and rows[2]["depth"] == 9
