@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -360,10 +361,13 @@ def step_fn(tr, batch, last: dict) -> Callable[[], None]:
     return run
 
 
-def check_finite(name: str, last: dict) -> None:
+def check_finite(name: str, last: dict) -> bool:
+    """Whether the last step's loss was finite (a warning otherwise: its timing is suspect)."""
     loss = last["out"]["loss"]
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"{name}: non-finite loss {float(loss)} in the benchmark step")
+    finite = bool(torch.isfinite(loss))
+    if not finite:
+        logger.warning("%s: non-finite loss %s in the benchmark step", name, float(loss))
+    return finite
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,8 +432,8 @@ def measure_trainer(
         if parts:
             fns.update(coop_parts(tr, batch))
         times = timer.measure(fns)
-        check_finite(f"{name}+{optim_name}", last_p)
-        check_finite(f"{name}+{optim_name} (reference)", last_r)
+        finite = check_finite(f"{name}+{optim_name}", last_p)
+        finite &= check_finite(f"{name}+{optim_name} (reference)", last_r)
         if parts:
             parts_s = sum(times[k].seconds for k in ("image_fwd", "text_fwd_bwd", "update"))
             keys["step_over_parts"] = times["project"].seconds / parts_s
@@ -460,6 +464,7 @@ def measure_trainer(
             "ref_step_ms": 1e3 * times["reference"].seconds,
             "step_speedup_vs_reference": times["reference"].seconds / times["project"].seconds,
             "timed_steps": times["project"].calls,
+            "finite_loss": finite,
             "peak_mem_mb": peak_mb(tr, times["project"], s),
             "ref_peak_mem_mb": peak_mb(ref, times["reference"], s),
             **eval_row,
@@ -794,30 +799,53 @@ def run(args) -> dict:
                 logger.warning("Trainer %s is not registered: skipped", t)
         logger.info("Settings: %s", s)
         keys: dict[str, float | None] = dict.fromkeys(TARGETS)
-        keys["text_trunc_speedup"] = text_truncation(s, timer, tmp)
+        failed: list[str] = []
+
+        def guarded(what: str, fn: Callable[[], object], default=None):
+            """Run one measurement; a failure is reported and the run goes on."""
+            try:
+                return fn()
+            except Exception:
+                logger.exception("%s FAILED (the other measurements go on)", what)
+                failed.append(what)
+                return default
+
+        keys["text_trunc_speedup"] = guarded("text", lambda: text_truncation(s, timer, tmp))
         rows = []
         for name in registered:  # each trainer in its own precision
-            rows += measure_trainer(name, s.optims, s, timer, tmp, None, keys)
+            measure = partial(measure_trainer, name, s.optims, s, timer, tmp, None, keys)
+            rows += guarded(name, measure, [])
         coop = {r["optimizer"]: r for r in rows if r["trainer"] == "CoOp"}
         if "CoOp" in registered:  # the precision sweep: CoOp with SGD and SAMPLe
             own = bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "CoOp")).TRAINER.COOP.PREC
             optims = [o for o in s.optims if o in ("sgd", "sample")]
             for prec in s.precisions:
                 if prec != own:
-                    rows += measure_trainer("CoOp", optims, s, timer, tmp, prec, keys)
+                    sweep = partial(measure_trainer, "CoOp", optims, s, timer, tmp, prec, keys)
+                    rows += guarded(f"CoOp in {prec}", sweep, [])
         if "sgd" in coop:
             keys["sgd_speedup_vs_reference"] = coop["sgd"]["step_speedup_vs_reference"]
         if "CoOp" in registered:
-            keys["sample_over_sgd_step"] = sample_over_sgd(s, timer, tmp)
-        keys["eval_speedup_vs_reference"] = imagenet_eval(s, timer, tmp)
+            keys["sample_over_sgd_step"] = guarded(
+                "SAMPLe/SGD", lambda: sample_over_sgd(s, timer, tmp)
+            )
+            keys["eval_speedup_vs_reference"] = guarded(
+                "eval", lambda: imagenet_eval(s, timer, tmp)
+            )
         if "CoCoOp" in TRAINER_REGISTRY:
-            keys["cocoop_batched_speedup"] = cocoop_batching(s, timer, tmp)
+            keys["cocoop_batched_speedup"] = guarded(
+                "CoCoOp", lambda: cocoop_batching(s, timer, tmp)
+            )
         root = make_jpeg_dataset(osp.join(tmp, "data"), s)
-        keys["decoded_cache_loader_speedup"] = loader_throughput(s, timer, root, tmp)
-        keys["eval_feature_cache_speedup"] = feature_cache_eval(s, root, tmp)
+        keys["decoded_cache_loader_speedup"] = guarded(
+            "loader", lambda: loader_throughput(s, timer, root, tmp)
+        )
+        keys["eval_feature_cache_speedup"] = guarded(
+            "feature cache", lambda: feature_cache_eval(s, root, tmp)
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {**keys, "rows": rows, "device": device_description(s.device)}
+    return {**keys, "rows": rows, "device": device_description(s.device)}, failed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -870,7 +898,7 @@ def main(argv=None) -> int:
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    result = run(args)
+    result, failed = run(args)
     print_report(result)
     print(f"\nTotal time: {time.perf_counter() - t0:.0f} s")
     if args.json:
@@ -878,6 +906,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"Results written to {args.json}")
+    if failed:
+        print(f"FAILED measurements (tracebacks above): {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
