@@ -18,7 +18,9 @@ Usage::
     python tools/benchmark.py --device cpu --optims sgd,sample # full size on CPU (~20 minutes)
 
 ``--json FILE`` writes the ratios of the issue's targets (``TARGETS``), a ``rows`` list (one
-entry per trainer x optimizer x precision) and a ``device`` string. Times are medians of
+entry per trainer x optimizer x precision) and a ``device`` string; it is rewritten after every
+measurement, and a failed measurement is reported (exit status 1) without stopping the others
+(its key stays null). Times are medians of
 ``--steps`` timed calls after ``--warmup`` calls, interleaving the compared variants (so load
 changes on a shared machine hit both), with CUDA synchronisation around every timed call; a
 measurement group stops repeating once it has used ``--budget`` seconds (at least one call).
@@ -416,12 +418,13 @@ def eval_seconds(times: dict[str, Timing], per_call: int, batch: int, n_images: 
 # The trainer x optimizer matrix
 # ----------------------------------------------------------------------------------------------
 def measure_trainer(
-    name: str, optims, s: Settings, timer: Timer, tmp: str, prec: str | None, keys: dict
-) -> list[dict]:
-    """The rows of one trainer: a step per optimizer and its evaluation throughput (measured
-    once), project and reference style; CoOp + SGD also times target 4's parts."""
+    name: str, optims, s: Settings, timer: Timer, tmp: str, prec: str | None, keys: dict, rows
+) -> None:
+    """Append the rows of one trainer to ``rows``: a step per optimizer and its evaluation
+    throughput (measured once), project and reference style; CoOp + SGD also times target 4's
+    parts."""
     names = class_names(s.base_classes)
-    rows, eval_row = [], None
+    eval_row = None
     for optim_name in optims:
         cfg = bench_cfg(name, optim_name, s, prec, osp.join(tmp, "out", name))
         tr, ref = build(cfg, names), build(cfg, names, reference=True)
@@ -480,7 +483,6 @@ def measure_trainer(
             row["ref_step_ms"],
         )
         release(tr, ref)
-    return rows
 
 
 def prompt_length(prompt_learner) -> int:
@@ -783,7 +785,8 @@ def print_report(result: dict) -> None:
         print(f"{key:32s} {shown:>8s}  {target_status(key, value)}")
 
 
-def run(args) -> dict:
+def run(args) -> tuple[dict, list[str]]:
+    """Every measurement of ``args``: (the JSON result, the names of failed measurements)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available (use --device cpu)")
     import trainers  # noqa: F401
@@ -800,52 +803,52 @@ def run(args) -> dict:
         logger.info("Settings: %s", s)
         keys: dict[str, float | None] = dict.fromkeys(TARGETS)
         failed: list[str] = []
+        rows: list[dict] = []
+        device = device_description(s.device)
 
-        def guarded(what: str, fn: Callable[[], object], default=None):
-            """Run one measurement; a failure is reported and the run goes on."""
+        def guarded(what: str, fn: Callable[[], object]) -> None:
+            """Run one measurement (``what``: its JSON key, or a name); a failure is reported
+            and the run goes on. The JSON file is rewritten after each measurement, so an
+            interrupted run leaves what it measured."""
             try:
-                return fn()
+                value = fn()
+                if what in keys:
+                    keys[what] = value
             except Exception:
                 logger.exception("%s FAILED (the other measurements go on)", what)
                 failed.append(what)
-                return default
+            if args.json:
+                write_json(args.json, {**keys, "rows": rows, "device": device})
 
-        keys["text_trunc_speedup"] = guarded("text", lambda: text_truncation(s, timer, tmp))
-        rows = []
+        guarded("text_trunc_speedup", partial(text_truncation, s, timer, tmp))
         for name in registered:  # each trainer in its own precision
-            measure = partial(measure_trainer, name, s.optims, s, timer, tmp, None, keys)
-            rows += guarded(name, measure, [])
+            guarded(name, partial(measure_trainer, name, s.optims, s, timer, tmp, None, keys, rows))
         coop = {r["optimizer"]: r for r in rows if r["trainer"] == "CoOp"}
-        if "CoOp" in registered:  # the precision sweep: CoOp with SGD and SAMPLe
-            own = bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "CoOp")).TRAINER.COOP.PREC
-            optims = [o for o in s.optims if o in ("sgd", "sample")]
-            for prec in s.precisions:
-                if prec != own:
-                    sweep = partial(measure_trainer, "CoOp", optims, s, timer, tmp, prec, keys)
-                    rows += guarded(f"CoOp in {prec}", sweep, [])
         if "sgd" in coop:
             keys["sgd_speedup_vs_reference"] = coop["sgd"]["step_speedup_vs_reference"]
         if "CoOp" in registered:
-            keys["sample_over_sgd_step"] = guarded(
-                "SAMPLe/SGD", lambda: sample_over_sgd(s, timer, tmp)
-            )
-            keys["eval_speedup_vs_reference"] = guarded(
-                "eval", lambda: imagenet_eval(s, timer, tmp)
-            )
+            own = bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "CoOp")).TRAINER.COOP.PREC
+            optims = [o for o in s.optims if o in ("sgd", "sample")]
+            for prec in s.precisions:  # the precision sweep: CoOp with SGD and SAMPLe
+                if prec != own:
+                    sweep = (measure_trainer, "CoOp", optims, s, timer, tmp, prec, keys, rows)
+                    guarded(f"CoOp in {prec}", partial(*sweep))
+            guarded("sample_over_sgd_step", partial(sample_over_sgd, s, timer, tmp))
+            guarded("eval_speedup_vs_reference", partial(imagenet_eval, s, timer, tmp))
         if "CoCoOp" in TRAINER_REGISTRY:
-            keys["cocoop_batched_speedup"] = guarded(
-                "CoCoOp", lambda: cocoop_batching(s, timer, tmp)
-            )
+            guarded("cocoop_batched_speedup", partial(cocoop_batching, s, timer, tmp))
         root = make_jpeg_dataset(osp.join(tmp, "data"), s)
-        keys["decoded_cache_loader_speedup"] = guarded(
-            "loader", lambda: loader_throughput(s, timer, root, tmp)
-        )
-        keys["eval_feature_cache_speedup"] = guarded(
-            "feature cache", lambda: feature_cache_eval(s, root, tmp)
-        )
+        guarded("decoded_cache_loader_speedup", partial(loader_throughput, s, timer, root, tmp))
+        guarded("eval_feature_cache_speedup", partial(feature_cache_eval, s, root, tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {**keys, "rows": rows, "device": device_description(s.device)}, failed
+    return {**keys, "rows": rows, "device": device}, failed
+
+
+def write_json(path: str, result: dict) -> None:
+    os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -902,9 +905,7 @@ def main(argv=None) -> int:
     print_report(result)
     print(f"\nTotal time: {time.perf_counter() - t0:.0f} s")
     if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
         print(f"Results written to {args.json}")
     if failed:
         print(f"FAILED measurements (tracebacks above): {', '.join(failed)}", file=sys.stderr)
