@@ -20,10 +20,10 @@ Usage::
 ``--json FILE`` writes the ratios of the issue's targets (``TARGETS``), a ``rows`` list (one
 entry per trainer x optimizer x precision) and a ``device`` string; it is rewritten after every
 measurement, and a failed measurement is reported (exit status 1) without stopping the others
-(its key stays null). Times are medians of
-``--steps`` timed calls after ``--warmup`` calls, interleaving the compared variants (so load
-changes on a shared machine hit both), with CUDA synchronisation around every timed call; a
-measurement group stops repeating once it has used ``--budget`` seconds (at least one call).
+(its key stays null). Times are medians of ``--steps`` timed calls after ``--warmup`` calls,
+interleaving the compared variants (so load changes on a shared machine hit both), with CUDA
+synchronisation around every timed call; a measurement group stops repeating once it has used
+``--budget`` seconds (at least one call).
 On CPU torch runs one thread by default (``--threads``): on a shared machine descheduled OpenMP
 threads slow small operations down many times, which would distort the ratios.
 
