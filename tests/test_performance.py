@@ -331,8 +331,8 @@ def test_every_part_of_the_cache_key_invalidates(tmp_path, dtd_root, tiny_clip_o
 
 def test_unreadable_cache_file_is_recomputed(tmp_path, dtd_root, tiny_clip_opts):
     cache_dir = tmp_path / "cache"
-    cfg = make_cfg(["--root", dtd_root, "--output-dir", str(tmp_path / "o"), *tiny_clip_opts,
-                    "TRAINER.COOP.PREC", "fp32", "DATASET.NUM_SHOTS", "2",
+    cfg = make_cfg(["--root", dtd_root, "--seed", "1", "--output-dir", str(tmp_path / "o"),
+                    *tiny_clip_opts, "TRAINER.COOP.PREC", "fp32", "DATASET.NUM_SHOTS", "2",
                     "TEST.FEATURE_CACHE_DIR", str(cache_dir)])  # fmt: skip
     tr = build_trainer(cfg)
     acc = tr.test()

@@ -188,3 +188,10 @@ class CoCoOp(TrainerX):
 
     def model_inference(self, image):
         return self.model(image)
+
+    def frozen_image_encoder(self):
+        return self.model.image_encoder
+
+    def model_inference_features(self, features):
+        f = l2_normalize(features)
+        return self.model.logits(f, self.model.encode_text(f))
