@@ -101,6 +101,9 @@ _C.MODEL.BACKBONE.PRETRAINED = True  # False: random weights (tests and debuggin
 # ~/.cache/clip/<name>.pt, then open_clip's local cache. Nothing is ever downloaded.
 _C.MODEL.BACKBONE.PATH = ""
 _C.MODEL.BACKBONE.CONFIG = ""  # path to an open_clip model-config JSON (custom/tiny architectures)
+# torch.compile the prompt-dependent encoders: "" (off) | default | reduce-overhead |
+# max-autotune | max-autotune-no-cudagraphs | eager | aot_eager (see engine/compile.py)
+_C.MODEL.COMPILE = ""
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

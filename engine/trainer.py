@@ -33,6 +33,7 @@ from tqdm import tqdm
 import optim  # attributes are read at call time (optim imports engine.registry)
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .compile import check_compile_option, compile_encoders, mark_step
 from .data import DataManager
 from .evaluator import build_evaluator
 from .feature_cache import (
@@ -355,8 +356,11 @@ class SimpleTrainer(TrainerBase):
         self._stage_applied = False
         if cfg.SEED >= 0:  # the same seed gives the same model (e.g. random prompt init) in-process
             set_random_seed(cfg.SEED)
+        check_compile_option(cfg.MODEL.COMPILE)
         self.build_data_loader()
         self.build_model()
+        if cfg.MODEL.COMPILE and isinstance(getattr(self, "model", None), nn.Module):
+            compile_encoders(self.model, cfg.MODEL.COMPILE)
         self.evaluator = build_evaluator(cfg, lab2cname=self.lab2cname)
         self.best_result = -float("inf")
 
@@ -535,6 +539,8 @@ class SimpleTrainer(TrainerBase):
                 features, labels = self._eval_features(encoder, loader, split)
                 step = loader.batch_size or 100
                 for i in range(0, len(labels), step):
+                    if self.cfg.MODEL.COMPILE:
+                        mark_step()
                     with self.autocast():
                         output = self.model_inference_features(features[i : i + step])
                     self.evaluator.process(output.float(), labels[i : i + step])
@@ -625,6 +631,8 @@ class TrainerX(SimpleTrainer):
 
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> backward -> optimizer step."""
+        if self.cfg.MODEL.COMPILE:
+            mark_step()
         parsed = self.parse_batch_train(batch)
         with torch.no_grad(), self.autocast():
             inputs = self.prepare_step(parsed)
