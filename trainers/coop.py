@@ -20,14 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.clip import TextEncoder, clip_dtype, load_clip, tokenize, truncate_tokens
+from engine.clip import TextEncoder, load_clip, tokenize
 from engine.clip.text import _tokenizer
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import TrainerX
 from engine.utils import compute_accuracy
-from optim import build_lr_scheduler, build_optimizer
 
-from .common import load_init_weights
+from .common import FrozenImageCLIP, l2_normalize, register_class_prompts, setup_prompt_learner
 
 
 def add_coop_config(cfg) -> None:
@@ -92,12 +91,7 @@ class PromptLearner(nn.Module):
         names = [name.replace("_", " ") for name in classnames]
         self.name_lens = [len(_tokenizer().encode(name)) for name in names]
         prompts = [f"{prompt_prefix} {name}." for name in names]
-        tokens, eot = truncate_tokens(tokenize(prompts))  # [n_cls, L], L = longest EOT + 1
-        with torch.no_grad():
-            emb = embedding(tokens.to(embedding.weight.device))  # [n_cls, L, width]
-        self.register_buffer("token_prefix", emb[:, :1, :], persistent=False)  # SOS
-        self.register_buffer("token_suffix", emb[:, 1 + n_ctx :, :], persistent=False)  # CLS . EOS
-        self.register_buffer("eot_idx", eot.to(emb.device), persistent=False)
+        tokens = register_class_prompts(self, embedding, prompts, n_ctx)  # [n_cls, L]
         self.register_buffer(
             "order",
             self._token_order(n_ctx, class_token_position, tokens.shape[1]),
@@ -137,7 +131,7 @@ class PromptLearner(nn.Module):
         return prompts
 
 
-class CustomCLIP(nn.Module):
+class CustomCLIP(FrozenImageCLIP):
     """CLIP with CoOp's prompt learner; ``forward(image)`` returns logits as in CoOp.
 
     The trainer uses the parts: :meth:`encode_image` (frozen), :meth:`encode_text` (learnable)
@@ -145,7 +139,7 @@ class CustomCLIP(nn.Module):
     """
 
     def __init__(self, cfg, classnames, clip_model):
-        super().__init__()
+        super().__init__(clip_model)
         c = cfg.TRAINER.COOP
         self.prompt_learner = PromptLearner(
             classnames,
@@ -155,21 +149,10 @@ class CustomCLIP(nn.Module):
             csc=c.CSC,
             class_token_position=c.CLASS_TOKEN_POSITION,
         )
-        self.image_encoder = clip_model.visual
         self.text_encoder = TextEncoder(clip_model)
-        self.logit_scale = clip_model.logit_scale
-        self.dtype = clip_dtype(clip_model)
-
-    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
-        f = self.image_encoder(image.to(self.dtype))
-        return f / f.norm(dim=-1, keepdim=True)
 
     def encode_text(self) -> torch.Tensor:
-        f = self.text_encoder(self.prompt_learner(), self.prompt_learner.eot_idx)
-        return f / f.norm(dim=-1, keepdim=True)
-
-    def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
-        return self.logit_scale.exp() * image_features @ text_features.t().to(image_features.dtype)
+        return l2_normalize(self.text_encoder(self.prompt_learner(), self.prompt_learner.eot_idx))
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.logits(self.encode_image(image), self.encode_text())
@@ -202,8 +185,7 @@ class PromptTrainer(TrainerX):
         return self.model.image_encoder
 
     def model_inference_features(self, features):
-        features = features / features.norm(dim=-1, keepdim=True)
-        return self.model.logits(features, self._text_features)
+        return self.model.logits(l2_normalize(features), self._text_features)
 
 
 @TRAINER_REGISTRY.register()
@@ -224,9 +206,4 @@ class CoOp(PromptTrainer):
         classnames = self.dm.dataset.classnames
         clip_model = load_clip(cfg, precision=self.prec, device=self.device)
         self.model = CustomCLIP(cfg, classnames, clip_model).to(self.device)
-        for name, param in self.model.named_parameters():
-            param.requires_grad_(name.startswith("prompt_learner."))
-        load_init_weights(self.model.prompt_learner, cfg.MODEL.INIT_WEIGHTS)
-        self.optim = build_optimizer(cfg, self.model.prompt_learner)
-        self.sched = build_lr_scheduler(self.optim, cfg.OPTIM)
-        self.register_model("prompt_learner", self.model.prompt_learner, self.optim, self.sched)
+        setup_prompt_learner(self)
