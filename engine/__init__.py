@@ -16,8 +16,6 @@ def build_trainer(cfg):
     """Build the trainer named ``cfg.TRAINER.NAME`` (Dassl's ``build_trainer``)."""
     import logging
 
-    import trainers  # noqa: F401  (registers the trainers)
-
     if not cfg.TRAINER.NAME:
         raise ValueError("TRAINER.NAME is empty: pass --trainer <name>")
     cls = TRAINER_REGISTRY.get(cfg.TRAINER.NAME)

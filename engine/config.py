@@ -18,10 +18,7 @@ import os
 import yaml
 from yacs.config import CfgNode as CN
 
-
-class ConfigError(ValueError):
-    """A configuration problem (unknown key, wrong type, invalid value)."""
-
+from .errors import ConfigError
 
 _C = CN()
 _C.VERSION = 1  # config format version (Dassl compatibility)
@@ -192,11 +189,10 @@ def get_base_cfg_default() -> CN:
 def get_cfg_default() -> CN:
     """The full default config: engine keys plus every registered trainer's ``TRAINER.<X>`` node.
 
-    Like Dassl's ``get_cfg_default``, but already extended with the trainers' keys so that any
-    trainer config file of this project merges into it.
+    Like Dassl's ``get_cfg_default``, but already extended with the registered trainers' keys so
+    that any trainer config file merges into it. Trainers register when their package is imported
+    (``import trainers``; train.py and the tools do it); the engine never imports them itself.
     """
-    import trainers  # noqa: F401  (registers the trainers)
-
     from .registry import TRAINER_REGISTRY
 
     cfg = get_base_cfg_default()

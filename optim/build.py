@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.registry import Registry
+from .registry import Registry
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
+import datasets  # noqa: F401  (registers the readers, as train.py does)
+import trainers  # noqa: F401  (registers the trainers, as train.py does)
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 if "SAMPLE_PL_CACHE" not in os.environ:  # caches of the tests never go to the home folder
@@ -84,7 +85,7 @@ def run_train(args: list[str], check: bool = True, timeout: int = 300):
 
 def make_cfg(opts=(), trainer="CoOp", dataset_cfg="configs/datasets/dtd.yaml", config_file=None):
     """A merged config like train.py builds it."""
-    from train import build_parser, setup_cfg
+    from engine.cli import build_parser, setup_cfg
 
     args = ["--trainer", trainer, "--dataset-config-file", osp.join(ROOT, dataset_cfg)]
     if config_file:

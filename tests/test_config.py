@@ -109,7 +109,7 @@ def test_merge_order_cli_overrides_files():
 def test_config_file_flag_forms():
     """--config-file takes YAML files (several, or repeated); KEY VALUE right after it are opts,
     as in CoOp's commands."""
-    from train import build_parser, setup_cfg
+    from engine.cli import build_parser, setup_cfg
 
     main = osp.join(ROOT, "configs/trainers/CoOp/vit_b16_ctxv1.yaml")
     optim = osp.join(ROOT, "configs/optim/sample.yaml")

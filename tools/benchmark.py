@@ -60,11 +60,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
 
 from engine.clip.text import full_length_prompts  # noqa: E402
+from tools._repo import ROOT  # noqa: E402
 
 logger = logging.getLogger("benchmark")
 
@@ -293,7 +293,9 @@ def trainer_config_file(trainer: str) -> str:
 def bench_cfg(trainer: str, optim_name: str, s: Settings, prec: str | None, out: str, *extra):
     """The merged config of a trainer's base-to-new config plus the paper's optimizer values
     (train.py's merge order), on the benchmark's random-weight CLIP."""
-    from train import build_parser, setup_cfg
+    import datasets  # noqa: F401  (registers the readers)
+    import trainers  # noqa: F401  (registers the trainers)
+    from engine.cli import build_parser, setup_cfg
 
     args = ["--trainer", trainer, "--output-dir", out, "--seed", "1"]
     args += ["--config-file", trainer_config_file(trainer)]
@@ -677,7 +679,9 @@ def make_jpeg_dataset(root: str, s: Settings) -> str:
 
 
 def data_cfg(s: Settings, root: str, out: str, *extra):
-    from train import build_parser, setup_cfg
+    import datasets  # noqa: F401  (registers the readers)
+    import trainers  # noqa: F401  (registers the trainers)
+    from engine.cli import build_parser, setup_cfg
 
     args = ["--root", root, "--trainer", "CoOp", "--output-dir", out, "--seed", "1"]
     args += ["--dataset-config-file", osp.join(ROOT, "configs", "datasets", "dtd.yaml")]

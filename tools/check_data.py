@@ -21,9 +21,9 @@ import argparse
 import os.path as osp
 import sys
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if ROOT not in sys.path:  # run as `python tools/check_data.py`
-    sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
+
 
 from tabulate import tabulate  # noqa: E402
 

@@ -37,9 +37,9 @@ import urllib.error
 import urllib.request
 import zipfile
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if ROOT not in sys.path:  # run as `python tools/download_data.py`
-    sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
+
 
 from datasets import PAPER_DATASETS  # noqa: E402
 from datasets.common import Download, Layout  # noqa: E402

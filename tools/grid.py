@@ -45,8 +45,8 @@ import time
 from dataclasses import dataclass, replace
 from queue import Empty, Queue
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
 
 from tools.paper_results import BASE2NEW_DATASETS, OPTIMIZERS, TRAINERS  # noqa: E402
 from tools.parse_results import read_run  # noqa: E402

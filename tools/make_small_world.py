@@ -22,9 +22,9 @@ import os.path as osp
 import sys
 import time
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if ROOT not in sys.path:  # run as `python tools/make_small_world.py`
-    sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
+
 
 from datasets.small_world import (  # noqa: E402
     CLASSNAMES,

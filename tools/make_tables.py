@@ -33,8 +33,8 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
 
 from tools.grid import GridError, add_grid_args, expand, grids_from_args, setup_from_args  # noqa: E402
 from tools.paper_results import (  # noqa: E402

@@ -32,8 +32,8 @@ import os.path as osp
 import statistics
 import sys
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
 
 import numpy as np  # noqa: E402
 

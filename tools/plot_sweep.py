@@ -29,8 +29,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
 
 from tools.grid import (  # noqa: E402
     GridError,

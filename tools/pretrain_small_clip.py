@@ -39,9 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+if __package__ in (None, ""):  # run as a script
+    import _repo  # noqa: F401
 
 from datasets.small_world import (  # noqa: E402
     CLASSNAMES,
@@ -55,6 +54,7 @@ from datasets.small_world import (  # noqa: E402
 from engine.clip import TextEncoder, encode_texts, tokenize, truncate_tokens  # noqa: E402
 from engine.clip.model import build_clip  # noqa: E402
 from engine.utils import atomic_torch_save, atomic_write_text  # noqa: E402
+from tools._repo import ROOT  # noqa: E402
 
 logger = logging.getLogger("pretrain_small_clip")
 

@@ -465,10 +465,10 @@ def check_run_config(run: Run, setup: Setup) -> str | None:
 
     Returns a problem (bad config file or option, unknown trainer, no weights) or None.
     """
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
+    import datasets  # noqa: F401  (registers the readers)
+    import trainers  # noqa: F401  (registers the trainers)
+    from engine.cli import build_parser, setup_cfg
     from engine.clip.model import find_weights
-    from train import build_parser, setup_cfg
 
     missing = missing_files(run)
     if missing:

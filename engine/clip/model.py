@@ -31,6 +31,8 @@ import open_clip
 import torch
 from open_clip.model import CLIP, build_model_from_openai_state_dict, convert_weights_to_lp
 
+from optim.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # CoOp / OpenAI clip names -> (open_clip architecture, file name in ~/.cache/clip)
@@ -71,7 +73,7 @@ def resolve_path(path: str) -> str:
     return path
 
 
-class BackboneError(RuntimeError):
+class BackboneError(UserError, RuntimeError):
     """The CLIP backbone cannot be built or its weights cannot be found/loaded."""
 
 

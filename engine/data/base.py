@@ -12,10 +12,11 @@ import os.path as osp
 import random
 from collections import defaultdict
 
+from engine.errors import DataError
 from engine.utils import listdir_nohidden, read_json, write_json
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(DataError, FileNotFoundError):
     """A dataset folder or file is missing; the message says what and how to get it."""
 
 

@@ -36,8 +36,6 @@ def read_image(path: str) -> Image.Image:
 
 def build_dataset(cfg):
     """Build the dataset named ``cfg.DATASET.NAME`` (train_x, val, test, classnames, lab2cname)."""
-    import datasets  # noqa: F401  (registers the readers)
-
     if not cfg.DATASET.NAME:
         raise ValueError("DATASET.NAME is empty: pass --dataset-config-file or DATASET.NAME <name>")
     logger.info("Loading dataset: %s", cfg.DATASET.NAME)

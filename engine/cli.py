@@ -1,0 +1,187 @@
+"""CoOp's command line as a library: the parser, the config merge and the run.
+
+``train.py`` is a thin entry point over this module (it first imports the packages that register
+the trainers and datasets); tools build configs with :func:`setup_cfg` from here, never from
+``train.py``. Config merge order (as in CoOp): defaults, trainer keys, --dataset-config-file,
+--config-file, --optim-config-file, the flags, then the trailing KEY VALUE options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+logger = logging.getLogger("train")  # the name of the log lines users grep for
+
+
+class _ConfigFiles(argparse.Action):
+    """``--config-file A.yaml [B.yaml ...]``: YAML files only. Tokens after the last YAML file
+    (CoOp's trailing ``KEY VALUE`` options right after the flag) are kept as options."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        n = 0
+        while n < len(values) and values[n].endswith((".yaml", ".yml")):
+            n += 1
+        if n == 0:
+            parser.error(f"{option_string} expects .yaml files, got {values[0]!r}")
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), *values[:n]])
+        namespace.leading_opts = [*getattr(namespace, "leading_opts", []), *values[n:]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train or evaluate a prompt learner (CoOp-compatible flags).",
+        epilog="Trailing KEY VALUE pairs override config keys, e.g. OPTIM.LR 0.002 "
+        "OPTIM.SAM.NAME sample DATASET.NUM_SHOTS 16.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--root", type=str, default="", help="dataset root folder (DATASET.ROOT)")
+    parser.add_argument("--output-dir", type=str, default="", help="run folder (OUTPUT_DIR)")
+    parser.add_argument(
+        "--resume", type=str, default="", help="folder to resume from (default: the output dir)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=-1, help="random seed; any value >= 0 (0 included) fixes it"
+    )
+    parser.add_argument(
+        "--source-domains", type=str, nargs="+", help="source domains (DATASET.SOURCE_DOMAINS)"
+    )
+    parser.add_argument(
+        "--target-domains", type=str, nargs="+", help="target domains (DATASET.TARGET_DOMAINS)"
+    )
+    parser.add_argument(
+        "--transforms", type=str, nargs="+", help="training transforms (INPUT.TRANSFORMS)"
+    )
+    parser.add_argument(
+        "--config-file",
+        nargs="+",
+        default=[],
+        action=_ConfigFiles,
+        help="trainer config file(s) (.yaml), merged in order (later files override earlier "
+        "ones, e.g. a per-dataset overlay after the trainer's main config); may be repeated",
+    )
+    parser.add_argument("--dataset-config-file", type=str, default="", help="dataset config file")
+    parser.add_argument(
+        "--optim-config-file",
+        type=str,
+        default="",
+        help="optimizer config file merged after --config-file, e.g. "
+        "configs/optim/CoOp/sample.yaml (the paper's values for that trainer)",
+    )
+    parser.add_argument("--trainer", type=str, default="", help="trainer name, e.g. CoOp")
+    parser.add_argument("--backbone", type=str, default="", help="CLIP backbone, e.g. ViT-B/16")
+    parser.add_argument("--head", type=str, default="", help="head name (Dassl compatibility)")
+    parser.add_argument("--eval-only", action="store_true", help="evaluation only")
+    parser.add_argument(
+        "--model-dir", type=str, default="", help="load the model from this run folder"
+    )
+    parser.add_argument(
+        "--load-epoch", type=int, help="load model.pth.tar-<epoch> (default: model-best)"
+    )
+    parser.add_argument("--no-train", action="store_true", help="build everything, do not train")
+    parser.add_argument(
+        "opts", default=None, nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ..."
+    )
+    return parser
+
+
+def reset_cfg(cfg, args) -> None:
+    """Apply the command-line flags to ``cfg`` (``--seed 0`` counts)."""
+    if args.root:
+        cfg.DATASET.ROOT = args.root
+    if args.output_dir:
+        cfg.OUTPUT_DIR = args.output_dir
+    if args.resume:
+        cfg.RESUME = args.resume
+    if args.seed is not None and args.seed >= 0:
+        cfg.SEED = args.seed
+    if args.source_domains:
+        cfg.DATASET.SOURCE_DOMAINS = tuple(args.source_domains)
+    if args.target_domains:
+        cfg.DATASET.TARGET_DOMAINS = tuple(args.target_domains)
+    if args.transforms:
+        cfg.INPUT.TRANSFORMS = tuple(args.transforms)
+    if args.trainer:
+        cfg.TRAINER.NAME = args.trainer
+    if args.backbone:
+        cfg.MODEL.BACKBONE.NAME = args.backbone
+    if args.head:
+        cfg.MODEL.HEAD.NAME = args.head
+
+
+def setup_cfg(args):
+    """defaults -> trainer keys -> dataset config -> trainer config -> flags -> opts."""
+    from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
+    from .registry import TRAINER_REGISTRY
+
+    if not len(TRAINER_REGISTRY):
+        raise RuntimeError(
+            "setup_cfg: no trainer is registered; import the trainers first (import trainers)"
+        )
+    cfg = get_cfg_default()
+    if args.dataset_config_file:
+        merge_from_file(cfg, args.dataset_config_file)
+    for path in args.config_file:
+        merge_from_file(cfg, path)
+    if getattr(args, "optim_config_file", ""):
+        merge_from_file(cfg, args.optim_config_file)
+    reset_cfg(cfg, args)
+    opts = list(args.opts or [])
+    if opts and opts[0] == "--":
+        opts = opts[1:]
+    opts = [*getattr(args, "leading_opts", []), *opts]
+    flags = [o for o in opts[0::2] if o.startswith("--")]
+    if flags:
+        raise ConfigError(
+            f"Flag {flags[0]} comes after the KEY VALUE options; put all --flags before them"
+        )
+    merge_from_list(cfg, opts)
+    cfg.freeze()
+    return cfg
+
+
+def main(args) -> int:
+    import os.path as osp
+
+    from . import build_trainer
+    from .config import dump_cfg
+    from .utils import collect_env_info, set_random_seed, setup_logger
+
+    cfg = setup_cfg(args)
+    if cfg.SEED >= 0:
+        set_random_seed(cfg.SEED)
+    setup_logger(cfg.OUTPUT_DIR)
+    dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))
+    logger.info("***************\n** Arguments **\n***************")
+    for key in sorted(vars(args)):
+        logger.info("%s: %s", key, getattr(args, key))
+    logger.info("************\n** Config **\n************\n%s", cfg)
+    logger.info("Collecting env info ...\n** System info **\n%s\n", collect_env_info())
+
+    trainer = build_trainer(cfg)
+    if args.eval_only:
+        trainer.load_model(args.model_dir, epoch=args.load_epoch)
+        trainer.test()
+        return 0
+    if not args.no_train:
+        trainer.train()
+    return 0
+
+
+def run(argv=None) -> int:
+    """Parse ``argv`` and run; user errors become one paragraph on stderr (exit 2), divergence
+    exit 3, anything unexpected keeps its traceback."""
+    from optim.errors import UserError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return main(args)
+    except Exception as e:
+        # plain ValueError / FileNotFoundError: the checks of trainers written before UserError
+        user = isinstance(e, UserError) or type(e) in (ValueError, FileNotFoundError)
+        if not (user or isinstance(e, FloatingPointError)):
+            raise
+        logger.error("%s", e)
+        print(f"Error: {e}", file=sys.stderr)
+        return 2 if user else 3
