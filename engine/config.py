@@ -34,7 +34,8 @@ _C.VERBOSE = True  # print the dataset summary table and other details
 _C.INPUT = CN()
 _C.INPUT.SIZE = (224, 224)  # (height, width) of network inputs
 _C.INPUT.INTERPOLATION = "bilinear"  # resize interpolation: bilinear | bicubic | nearest
-# train transform names, e.g. (random_resized_crop, random_flip, normalize)
+# train transform names, e.g. (random_resized_crop, random_flip, normalize); all names in
+# engine/data/transforms.py (randaugment: Dassl's RandAugment, randaugment_tv: torchvision's)
 _C.INPUT.TRANSFORMS = ()
 _C.INPUT.NO_TRANSFORM = False  # if True, images are only resized/converted (no augmentation)
 _C.INPUT.PIXEL_MEAN = [0.485, 0.456, 0.406]  # per-channel mean for "normalize"
@@ -45,8 +46,8 @@ _C.INPUT.CUTOUT_N = 1  # number of "cutout" holes
 _C.INPUT.CUTOUT_LEN = 16  # side (pixels) of each cutout hole
 _C.INPUT.GN_MEAN = 0.0  # "gaussian_noise" mean
 _C.INPUT.GN_STD = 0.15  # "gaussian_noise" standard deviation
-_C.INPUT.RANDAUGMENT_N = 2  # "randaugment": number of operations
-_C.INPUT.RANDAUGMENT_M = 10  # "randaugment": magnitude (0-30)
+_C.INPUT.RANDAUGMENT_N = 2  # "randaugment"/"randaugment_tv": number of operations
+_C.INPUT.RANDAUGMENT_M = 10  # "randaugment"/"randaugment_tv": magnitude (0-30)
 _C.INPUT.COLORJITTER_B = 0.4  # "colorjitter" brightness
 _C.INPUT.COLORJITTER_C = 0.4  # "colorjitter" contrast
 _C.INPUT.COLORJITTER_S = 0.4  # "colorjitter" saturation

@@ -5,6 +5,11 @@ random_resized_crop, center_crop, random_flip, auto-augment policies / randaugme
 random_gray_scale, gaussian_blur, to float, cutout, normalize, gaussian_noise, instance_norm.
 Test: resize the short side to max(INPUT.SIZE), center crop INPUT.SIZE, to float, normalize.
 
+``randaugment`` is Dassl's RandAugment(RANDAUGMENT_N, RANDAUGMENT_M) (16 operations, see
+:mod:`engine.data.randaugment`), the one the Dassl-based trainers (CoPrompt's views) use;
+``randaugment_tv`` is torchvision's RandAugment with the same N and M (a different operation set).
+``randaugment_fixmatch`` and ``randaugment2`` are torchvision approximations of Dassl's variants.
+
 Training pipelines start by converting the image to a uint8 tensor, so a PIL image read from
 disk and a decoded image kept in memory (``DATALOADER.CACHE_DECODED``) go through exactly the
 same operations and give the same augmentation distribution.
@@ -15,6 +20,8 @@ from __future__ import annotations
 import torch
 import torchvision.transforms.v2 as T
 from torchvision.transforms.v2 import InterpolationMode
+
+from .randaugment import RandAugment as DasslRandAugment
 
 INTERPOLATION_MODES = {
     "bilinear": InterpolationMode.BILINEAR,
@@ -35,6 +42,7 @@ AVAILABLE_TRANSFORMS = (
     "cifar10_policy",
     "svhn_policy",
     "randaugment",
+    "randaugment_tv",
     "randaugment_fixmatch",
     "randaugment2",
     "gaussian_noise",
@@ -163,7 +171,9 @@ def _build_transform_train(cfg, choices, normalize):
     for name, policy in policies.items():
         if name in choices:
             tfm.append(T.AutoAugment(policy))
-    if "randaugment" in choices:
+    if "randaugment" in choices:  # Dassl's (PIL operations, on the uint8 image)
+        tfm.append(DasslRandAugment(n=inp.RANDAUGMENT_N, m=inp.RANDAUGMENT_M))
+    if "randaugment_tv" in choices:  # torchvision's
         tfm.append(T.RandAugment(num_ops=inp.RANDAUGMENT_N, magnitude=inp.RANDAUGMENT_M))
     if "randaugment_fixmatch" in choices:
         tfm.append(T.RandAugment(num_ops=inp.RANDAUGMENT_N, magnitude=10))
