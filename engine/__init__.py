@@ -1,4 +1,4 @@
-"""The Dassl-style engine of this project: config, registries, data, trainers, CLIP.
+"""The Dassl-style engine of this project: config, registries, data, trainer bases, CLIP.
 
 Like Dassl, the package exposes ``get_cfg_default()``, ``build_dataset(cfg)`` and
 ``build_trainer(cfg)`` at its top level::
@@ -12,15 +12,22 @@ from .registry import DATASET_REGISTRY, EVALUATOR_REGISTRY, TRAINER_REGISTRY, Re
 from .trainer import SimpleTrainer, TrainerBase, TrainerX
 
 
-def build_trainer(cfg):
-    """Build the trainer named ``cfg.TRAINER.NAME`` (Dassl's ``build_trainer``)."""
+def build_trainer(cfg, classnames: list[str] | None = None):
+    """Build the trainer named ``cfg.TRAINER.NAME`` (Dassl's ``build_trainer``).
+
+    With ``classnames`` the model is built for those classes without reading any dataset
+    (no data loaders), e.g. to inspect or evaluate a model in a notebook. Trainers register
+    when their package is imported (``import trainers``): the engine never imports them.
+    """
     import logging
 
     if not cfg.TRAINER.NAME:
-        raise ValueError("TRAINER.NAME is empty: pass --trainer <name>")
+        raise ConfigError("TRAINER.NAME is empty: pass --trainer <name>")
     cls = TRAINER_REGISTRY.get(cfg.TRAINER.NAME)
     logging.getLogger(__name__).info("Loading trainer: %s", cfg.TRAINER.NAME)
-    return cls(cfg)
+    if classnames is None:
+        return cls(cfg)
+    return cls(cfg, classnames=classnames)
 
 
 __all__ = [

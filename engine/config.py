@@ -68,6 +68,9 @@ _C.DATASET.NUM_LABELED = -1  # semi-supervised: number of labelled images (-1: a
 _C.DATASET.NUM_SHOTS = -1  # few-shot: images per class for train (val gets min(shots, 4)); -1: all
 _C.DATASET.VAL_PERCENT = 0.1  # fraction of train used as val by datasets that need it
 _C.DATASET.SUBSAMPLE_CLASSES = "all"  # base-to-new: all | base (first ceil(n/2)) | new (the rest)
+# Unreadable images (truncated, zero-byte, not an image) stop the run before the first step with a
+# list of all of them; True leaves them out instead (a warning gives their count and paths)
+_C.DATASET.SKIP_UNREADABLE = False
 
 ###########################
 # Dataloader

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -33,8 +35,21 @@ def check_isfile(fpath: str) -> bool:
     return isfile
 
 
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once: os.umask can only be read by setting it
+
+
 def _atomic_write(path: str, write_fn, mode: str) -> None:
-    """Write through a temporary file in the same folder, then rename over ``path``."""
+    """Write through a temporary file in the same folder, then rename over ``path``.
+
+    The file gets the mode a plain ``open(path, "w")`` would give (0666 minus the umask), not
+    the 0600 of the temporary file, so files in shared dataset folders stay readable.
+    """
     directory = osp.dirname(osp.abspath(path))
     mkdir_if_missing(directory)
     fd, tmp = tempfile.mkstemp(prefix=f".{osp.basename(path)}.", suffix=".tmp", dir=directory)
@@ -43,6 +58,7 @@ def _atomic_write(path: str, write_fn, mode: str) -> None:
             write_fn(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if osp.exists(tmp):
@@ -52,6 +68,10 @@ def _atomic_write(path: str, write_fn, mode: str) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
     _atomic_write(path, lambda f: f.write(text), "w")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data), "wb")
 
 
 def atomic_torch_save(obj, path: str) -> None:
@@ -67,6 +87,41 @@ def read_json(fpath: str):
 def write_json(obj, fpath: str) -> None:
     """Write JSON (indent 4, as Dassl) atomically."""
     atomic_write_text(fpath, json.dumps(obj, indent=4, separators=(",", ": ")))
+
+
+def user_cache_dir(*parts: str) -> str:
+    """The per-user cache folder: ``$SAMPLE_PL_CACHE`` (default ``~/.cache/sample-pl``)."""
+    base = osp.expanduser(os.environ.get("SAMPLE_PL_CACHE") or "~/.cache/sample-pl")
+    return osp.join(base, *parts)
+
+
+@contextlib.contextmanager
+def file_lock(path: str):
+    """Hold an exclusive ``fcntl.flock`` on the file ``path`` inside the block.
+
+    Other processes (other runs of a grid) wait at the same lock; it is released when the block
+    ends or the process dies. The holder removes the lock file when it is done; a waiter that
+    then holds a removed file's lock tries again, so the lock never leaves files behind.
+    """
+    mkdir_if_missing(osp.dirname(osp.abspath(path)))
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break  # still the file at ``path``: the lock is ours
+        except FileNotFoundError:
+            pass  # removed by the previous holder: lock the new one
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)  # releases the lock
 
 
 def listdir_nohidden(path: str, sort: bool = False) -> list[str]:

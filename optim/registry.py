@@ -93,6 +93,13 @@ class Registry:
             )
         return msg
 
+    def name_of(self, obj: Any) -> str | None:
+        """The first name ``obj`` is registered under (None if it is not registered)."""
+        for name, registered in self._obj_map.items():
+            if registered is obj:
+                return name
+        return None
+
     def registered_names(self) -> list[str]:
         return list(self._obj_map.keys())
 

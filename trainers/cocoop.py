@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.clip import TextEncoder, load_clip
 from engine.registry import TRAINER_REGISTRY
-from engine.trainer import TrainerX
+from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
 
 from .common import FrozenImageCLIP, l2_normalize, setup_prompt_learner
@@ -108,6 +108,14 @@ class CoCoOpCLIP(FrozenImageCLIP):
         text_chunk: prompts per text-encoder call (0: automatic).
     """
 
+    @classmethod
+    def from_config(cls, cfg, classnames, clip_model):
+        """The model of ``cfg`` (TRAINER.COCOOP) for ``classnames``."""
+        c = cfg.TRAINER.COCOOP
+        return cls(
+            classnames, clip_model, n_ctx=c.N_CTX, ctx_init=c.CTX_INIT, text_chunk=c.TEXT_CHUNK
+        )
+
     def __init__(self, classnames, clip_model, n_ctx=16, ctx_init="", text_chunk=0):
         super().__init__(clip_model)
         if text_chunk < 0:
@@ -165,15 +173,8 @@ class CoCoOp(TrainerX):
 
     def build_model(self):
         cfg = self.cfg
-        c = cfg.TRAINER.COCOOP
         clip_model = load_clip(cfg, precision=self.prec, device=self.device)
-        self.model = CoCoOpCLIP(
-            self.dm.dataset.classnames,
-            clip_model,
-            n_ctx=c.N_CTX,
-            ctx_init=c.CTX_INIT,
-            text_chunk=c.TEXT_CHUNK,
-        ).to(self.device)
+        self.model = CoCoOpCLIP.from_config(cfg, self.classnames, clip_model).to(self.device)
         setup_prompt_learner(self)
 
     def prepare_step(self, batch_inputs):
@@ -186,8 +187,12 @@ class CoCoOp(TrainerX):
         loss = F.cross_entropy(logits.float(), label)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
 
-    def model_inference(self, image):
-        return self.model(image)
+    def model_outputs(self, image):
+        image_features = self.model.encode_image(image)
+        text_features = self.model.encode_text(image_features)  # [batch, n_cls, dim]
+        return ModelOutput(
+            image_features, text_features, self.model.logits(image_features, text_features)
+        )
 
     def frozen_image_encoder(self):
         return self.model.image_encoder

@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.clip import TextEncoder, load_clip, tokenize
-from engine.clip.text import _tokenizer
+from engine.clip import TextEncoder, load_clip, token_ids, tokenize
 from engine.registry import TRAINER_REGISTRY
-from engine.trainer import TrainerX
+from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
 
 from .common import FrozenImageCLIP, l2_normalize, register_class_prompts, setup_prompt_learner
@@ -89,7 +88,7 @@ class PromptLearner(nn.Module):
         self.ctx = nn.Parameter(ctx_vectors.to(embedding.weight.device))  # fp32 master weights
 
         names = [name.replace("_", " ") for name in classnames]
-        self.name_lens = [len(_tokenizer().encode(name)) for name in names]
+        self.name_lens = [len(token_ids(name)) for name in names]
         prompts = [f"{prompt_prefix} {name}." for name in names]
         tokens = register_class_prompts(self, embedding, prompts, n_ctx)  # [n_cls, L]
         self.register_buffer(
@@ -138,6 +137,11 @@ class CustomCLIP(FrozenImageCLIP):
     and :meth:`logits`.
     """
 
+    @classmethod
+    def from_config(cls, cfg, classnames, clip_model):
+        """The model of ``cfg`` for ``classnames`` (every trainer's model has this factory)."""
+        return cls(cfg, classnames, clip_model)
+
     def __init__(self, cfg, classnames, clip_model):
         super().__init__(clip_model)
         c = cfg.TRAINER.COOP
@@ -178,6 +182,13 @@ class PromptTrainer(TrainerX):
     def after_test(self):
         self._text_features = None
 
+    def model_outputs(self, image):
+        image_features = self.model.encode_image(image)
+        text_features = self.model.encode_text()
+        return ModelOutput(
+            image_features, text_features, self.model.logits(image_features, text_features)
+        )
+
     def model_inference(self, image):
         return self.model.logits(self.model.encode_image(image), self._text_features)
 
@@ -203,7 +214,7 @@ class CoOp(PromptTrainer):
 
     def build_model(self):
         cfg = self.cfg
-        classnames = self.dm.dataset.classnames
+        classnames = self.classnames
         clip_model = load_clip(cfg, precision=self.prec, device=self.device)
-        self.model = CustomCLIP(cfg, classnames, clip_model).to(self.device)
+        self.model = CustomCLIP.from_config(cfg, classnames, clip_model).to(self.device)
         setup_prompt_learner(self)

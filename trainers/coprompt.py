@@ -124,6 +124,18 @@ class CoPromptCLIP(MaPLeCLIP):
     teacher's L2-normalised description features once :meth:`set_descriptions` was called.
     """
 
+    CONFIG_NODE = "COPROMPT"
+
+    @classmethod
+    def from_config(cls, cfg, classnames, clip_model):
+        """The model of ``cfg`` (TRAINER.COPROMPT) for ``classnames``."""
+        node = cfg.TRAINER.COPROMPT
+        prompt_learner = cls.build_prompt_learner(cfg, classnames, clip_model)
+        learner = CoPromptLearner(
+            prompt_learner, clip_model.visual.output_dim, node.ADAPTER_REDUCTION
+        )
+        return cls(learner, clip_model, node.IMAGE_ADAPTER_RATIO, node.TEXT_ADAPTER_RATIO)
+
     def __init__(self, learner: CoPromptLearner, clip_model, image_ratio: float, text_ratio: float):
         super().__init__(learner.prompt_learner, clip_model)
         self.learner = learner
@@ -140,12 +152,20 @@ class CoPromptCLIP(MaPLeCLIP):
         f = features.float()
         return ratio * adapter(f) + (1 - ratio) * f
 
+    def pre_adapter_text_features(self, prompts: MaPLePrompts) -> torch.Tensor:
+        """MaPLe's prompted class text features before the adapter ``[n_cls, dim]``."""
+        return MaPLeCLIP.text_features(self, prompts)
+
+    def pre_adapter_image_features(self, image: torch.Tensor, prompts: MaPLePrompts):
+        """MaPLe's prompted image features before the adapter ``[batch, dim]``."""
+        return MaPLeCLIP.image_features(self, image, prompts)
+
     def text_features(self, prompts: MaPLePrompts) -> torch.Tensor:
-        f = super().text_features(prompts)
+        f = self.pre_adapter_text_features(prompts)
         return self._mix(self.learner.text_adapter, f, self.text_ratio)
 
     def image_features(self, image: torch.Tensor, prompts: MaPLePrompts) -> torch.Tensor:
-        f = super().image_features(image, prompts)
+        f = self.pre_adapter_image_features(image, prompts)
         return self._mix(self.learner.image_adapter, f, self.image_ratio)
 
     @torch.no_grad()
@@ -273,19 +293,17 @@ class CoPrompt(MaPLe):
         if node.W < 0:
             raise ValueError(f"TRAINER.COPROMPT.W must be >= 0, got {node.W}")
 
-    def build_custom_clip(self, clip_model) -> CoPromptCLIP:
-        node = self.cfg.TRAINER.COPROMPT
-        prompt_learner = self.build_prompt_learner(self.dm.dataset.classnames, clip_model)
-        learner = CoPromptLearner(
-            prompt_learner, clip_model.visual.output_dim, node.ADAPTER_REDUCTION
-        )
-        return CoPromptCLIP(learner, clip_model, node.IMAGE_ADAPTER_RATIO, node.TEXT_ADAPTER_RATIO)
+    MODEL_CLASS = CoPromptCLIP
+
+    def load_descriptions(self) -> None:
+        """Encode the classes' descriptions (the teacher's text side) once, when training first
+        needs them; evaluation never reads the description files."""
+        if self.model.description_features is None:
+            self.model.set_descriptions(class_descriptions(self.cfg, self.classnames))
 
     def before_train(self):
         super().before_train()
-        if self.model.description_features is None:
-            descriptions = class_descriptions(self.cfg, self.dm.dataset.classnames)
-            self.model.set_descriptions(descriptions)
+        self.load_descriptions()  # a missing description file stops the run before step 1
 
     # -- the step ---------------------------------------------------------------------------
     def parse_batch_train(self, batch):
@@ -300,6 +318,7 @@ class CoPrompt(MaPLe):
 
     def draw_description_index(self) -> int:
         """One random description index for all classes (once per step)."""
+        self.load_descriptions()
         n_desc = self.model.description_features.shape[1]
         return int(torch.randint(n_desc, ()).item())
 

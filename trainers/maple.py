@@ -53,8 +53,9 @@ from engine.clip import (
     tokenize,
     truncate_tokens,
 )
+from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
-from engine.trainer import TrainerX
+from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
 from optim import build_lr_scheduler, build_optimizer
 
@@ -209,6 +210,24 @@ class MaPLeCLIP(nn.Module):
     ``learnable`` is the module that is trained and checkpointed.
     """
 
+    CONFIG_NODE = "MAPLE"  # TRAINER.<node> that from_config reads
+
+    @classmethod
+    def build_prompt_learner(cls, cfg, classnames, clip_model) -> MultiModalPromptLearner:
+        node = cfg.TRAINER[cls.CONFIG_NODE]
+        return MultiModalPromptLearner(
+            classnames,
+            clip_model,
+            n_ctx=node.N_CTX,
+            ctx_init=node.CTX_INIT,
+            depth=node.PROMPT_DEPTH,
+        )
+
+    @classmethod
+    def from_config(cls, cfg, classnames, clip_model):
+        """The model of ``cfg`` (TRAINER.MAPLE) for ``classnames``."""
+        return cls(cls.build_prompt_learner(cfg, classnames, clip_model), clip_model)
+
     def __init__(self, prompt_learner: MultiModalPromptLearner, clip_model):
         super().__init__()
         self.prompt_learner = prompt_learner
@@ -257,26 +276,14 @@ class MaPLe(TrainerX):
 
     def check_cfg(self, cfg):
         node = self.trainer_cfg(cfg)
-        key = f"TRAINER.{type(self).__name__.upper()}"
         if node.N_CTX < 1:
-            raise ValueError(f"{key}.N_CTX must be >= 1, got {node.N_CTX}")
+            raise ConfigError(f"{self.cfg_key('N_CTX')} must be >= 1, got {node.N_CTX}")
         if node.PROMPT_DEPTH < 1:
-            raise ValueError(f"{key}.PROMPT_DEPTH must be >= 1, got {node.PROMPT_DEPTH}")
+            raise ConfigError(
+                f"{self.cfg_key('PROMPT_DEPTH')} must be >= 1, got {node.PROMPT_DEPTH}"
+            )
 
-    def build_prompt_learner(self, classnames, clip_model) -> MultiModalPromptLearner:
-        node = self.trainer_cfg()
-        return MultiModalPromptLearner(
-            classnames,
-            clip_model,
-            n_ctx=node.N_CTX,
-            ctx_init=node.CTX_INIT,
-            depth=node.PROMPT_DEPTH,
-        )
-
-    def build_custom_clip(self, clip_model) -> MaPLeCLIP:
-        """The model; CoPrompt overrides this to add its adapters and teacher."""
-        prompt_learner = self.build_prompt_learner(self.dm.dataset.classnames, clip_model)
-        return MaPLeCLIP(prompt_learner, clip_model)
+    MODEL_CLASS = MaPLeCLIP  # CoPrompt: its CLIP with adapters and teacher
 
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)
@@ -287,7 +294,8 @@ class MaPLe(TrainerX):
                 f"{image_size}: the prompted ViT needs its own input size (set INPUT.SIZE "
                 f"{image_size})"
             )
-        self.model = self.build_custom_clip(clip_model).to(self.device)
+        model = self.MODEL_CLASS.from_config(self.cfg, self.classnames, clip_model)
+        self.model = model.to(self.device)
         learnable = self.model.learnable
         self.model.requires_grad_(False)
         learnable.requires_grad_(True)
@@ -317,3 +325,11 @@ class MaPLe(TrainerX):
     def model_inference(self, image):
         image_features = self.model.encode_image(image, self._prompts)
         return self.model.logits(image_features, self._text_features)
+
+    def model_outputs(self, image):
+        prompts = self.model.prompt_learner()
+        image_features = self.model.encode_image(image, prompts)
+        text_features = self.model.encode_text(prompts)
+        return ModelOutput(
+            image_features, text_features, self.model.logits(image_features, text_features)
+        )

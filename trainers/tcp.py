@@ -160,6 +160,20 @@ class TCPCLIP(FrozenImageCLIP):
     """Frozen CLIP with TCP's prompt learner (the CoOp ``CustomCLIP`` interface:
     :meth:`encode_image`, :meth:`encode_text`, :meth:`logits`)."""
 
+    @classmethod
+    def from_config(cls, cfg, classnames, clip_model):
+        """The model of ``cfg`` (TRAINER.TCP, the dataset's templates) for ``classnames``."""
+        c = cfg.TRAINER.TCP
+        template, handcrafted = tcp_templates(cfg.DATASET.NAME)
+        return cls(
+            classnames,
+            clip_model,
+            template,
+            handcrafted,
+            n_ctx=c.N_CTX,
+            inject_layer=c.INJECT_LAYER,
+        )
+
     def __init__(self, classnames, clip_model, template, handcrafted, n_ctx=4, inject_layer=8):
         super().__init__(clip_model)
         self.text_encoder = TextEncoder(clip_model)
@@ -214,17 +228,8 @@ class TCP(PromptTrainer):
 
     def build_model(self):
         cfg = self.cfg
-        c = cfg.TRAINER.TCP
-        template, handcrafted = tcp_templates(cfg.DATASET.NAME)
         clip_model = load_clip(cfg, precision=self.prec, device=self.device)
-        self.model = TCPCLIP(
-            self.dm.dataset.classnames,
-            clip_model,
-            template,
-            handcrafted,
-            n_ctx=c.N_CTX,
-            inject_layer=c.INJECT_LAYER,
-        ).to(self.device)
+        self.model = TCPCLIP.from_config(cfg, self.classnames, clip_model).to(self.device)
         setup_prompt_learner(self)
 
     def compute_loss(self, inputs):

@@ -10,7 +10,9 @@ from torch import nn
 
 from engine.clip import TextEncoder, clip_dtype, encode_texts, load_clip
 from engine.registry import TRAINER_REGISTRY
-from engine.trainer import TrainerX
+from engine.trainer import ModelOutput, TrainerX
+
+from .common import l2_normalize
 
 # CoOp's per-dataset templates (the ImageNet family uses "a photo of a {}.")
 CUSTOM_TEMPLATES = {
@@ -56,18 +58,27 @@ def add_zsclip_config(cfg) -> None:
 
 
 class ZeroshotModel(nn.Module):
-    """Frozen CLIP image encoder + fixed, L2-normalised class text features."""
+    """Frozen CLIP (both towers) with the fixed, L2-normalised class text features of a
+    template ensemble (the mean of the per-template features, renormalised)."""
 
-    def __init__(self, clip_model, text_features: torch.Tensor):
+    def __init__(self, clip_model, templates: list[str], classnames: list[str]):
         super().__init__()
+        self.text_encoder = TextEncoder(clip_model)  # kept: encode_text() of any prompts
         self.image_encoder = clip_model.visual
         self.logit_scale = clip_model.logit_scale
         self.dtype = clip_dtype(clip_model)
-        self.register_buffer("text_features", text_features, persistent=False)
+        names = [c.replace("_", " ") for c in classnames]
+        feats = [encode_texts(self.text_encoder, [t.format(c) for c in names]) for t in templates]
+        text = torch.stack(feats).mean(0)  # [n_cls, dim]: the template ensemble
+        self.register_buffer("text_features", l2_normalize(text), persistent=False)
 
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
         f = self.image_encoder(image.to(self.dtype)).float()
         return f / f.norm(dim=-1, keepdim=True)
+
+    def encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """L2-normalised features of ``prompts`` ``[n, dim]`` from the frozen text tower."""
+        return l2_normalize(encode_texts(self.text_encoder, prompts).float())
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.logit_scale.exp() * self.encode_image(image) @ self.text_features.t()
@@ -78,29 +89,22 @@ class ZeroshotCLIP(TrainerX):
     """CLIP with one hand-crafted template per dataset (evaluation only)."""
 
     add_config = staticmethod(add_zsclip_config)
+    CONFIG_NODE = "ZEROSHOTCLIP"  # shared by ZeroshotCLIP2
     templates_per_class = None  # set by the ensemble variant
-
-    def trainer_cfg(self, cfg=None):
-        cfg = cfg or self.cfg
-        return cfg.TRAINER.ZEROSHOTCLIP if "ZEROSHOTCLIP" in cfg.TRAINER else None
 
     def templates(self) -> list[str]:
         return [dataset_template(self.cfg.DATASET.NAME)]
 
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)
-        encoder = TextEncoder(clip_model)
-        names = [c.replace("_", " ") for c in self.dm.dataset.classnames]
-        feats = []
-        for template in self.templates():
-            prompts = [template.format(c) for c in names]
-            feats.append(encode_texts(encoder, prompts))
-        text = torch.stack(feats).mean(0)  # [n_cls, dim]
-        text = text / text.norm(dim=-1, keepdim=True)
-        self.model = ZeroshotModel(clip_model, text).to(self.device)
+        self.model = ZeroshotModel(clip_model, self.templates(), self.classnames).to(self.device)
 
-    def model_inference(self, image):
-        return self.model(image)
+    def model_outputs(self, image):
+        image_features = self.model.encode_image(image)
+        text = self.model.text_features
+        return ModelOutput(
+            image_features, text, self.model.logit_scale.exp() * image_features @ text.t()
+        )
 
     def frozen_image_encoder(self):
         return self.model.image_encoder

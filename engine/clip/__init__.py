@@ -10,7 +10,14 @@ from .model import (
     load_clip,
     save_clip_checkpoint,
 )
-from .text import TextEncoder, encode_texts, eot_indices, tokenize, truncate_tokens
+from .text import (
+    TextEncoder,
+    encode_texts,
+    eot_indices,
+    token_ids,
+    tokenize,
+    truncate_tokens,
+)
 from .vision import PromptedVisionEncoder, require_vit
 
 __all__ = [
@@ -26,6 +33,7 @@ __all__ = [
     "load_clip",
     "require_vit",
     "save_clip_checkpoint",
+    "token_ids",
     "tokenize",
     "truncate_tokens",
 ]

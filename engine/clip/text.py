@@ -32,6 +32,11 @@ def _tokenizer() -> open_clip.SimpleTokenizer:
     return _TOKENIZER
 
 
+def token_ids(text: str) -> list[int]:
+    """CLIP BPE ids of ``text`` without start/end tokens (e.g. a class name's length)."""
+    return _tokenizer().encode(text)
+
+
 def tokenize(texts: str | list[str], context_length: int = 77) -> torch.LongTensor:
     """CLIP BPE token ids ``[n, context_length]``; raises instead of silently truncating."""
     texts = [texts] if isinstance(texts, str) else list(texts)

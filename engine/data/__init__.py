@@ -4,6 +4,7 @@ from .base import (
     DatasetBase,
     DatasetNotFoundError,
     Datum,
+    SplitFileError,
     read_and_split_data,
     read_split,
     require_dir,
@@ -13,8 +14,10 @@ from .base import (
     subsample_classes,
 )
 from .fewshot import fewshot_and_subsample, load_or_create_fewshot
+from .image_check import ImageReadError, UnreadableImagesError
 from .manager import DataManager, DatasetWrapper, build_data_loader, build_dataset, read_image
 from .transforms import build_transform
+from .validate import validate_data_cfg
 
 __all__ = [
     "DataManager",
@@ -22,6 +25,9 @@ __all__ = [
     "DatasetNotFoundError",
     "DatasetWrapper",
     "Datum",
+    "ImageReadError",
+    "SplitFileError",
+    "UnreadableImagesError",
     "build_data_loader",
     "build_dataset",
     "build_transform",
@@ -35,4 +41,5 @@ __all__ = [
     "save_split",
     "split_trainval",
     "subsample_classes",
+    "validate_data_cfg",
 ]

@@ -7,17 +7,22 @@ generated splits and base/new class subsampling, and give one clear error type f
 
 from __future__ import annotations
 
+import json
 import math
 import os.path as osp
 import random
 from collections import defaultdict
 
 from engine.errors import DataError
-from engine.utils import listdir_nohidden, read_json, write_json
+from engine.utils import listdir_nohidden, write_json
 
 
 class DatasetNotFoundError(DataError, FileNotFoundError):
     """A dataset folder or file is missing; the message says what and how to get it."""
+
+
+class SplitFileError(DataError, ValueError):
+    """A split file that is not valid JSON or not in CoOp's format; the message names the fix."""
 
 
 class Datum:
@@ -126,6 +131,15 @@ class DatasetBase:
     def num_classes(self) -> int:
         return self._num_classes
 
+    def drop_images(self, paths, splits=("train_x", "val", "test")) -> None:
+        """Remove the items whose ``impath`` is in ``paths`` from ``splits`` (unreadable images
+        skipped with DATASET.SKIP_UNREADABLE). Labels and class names stay as they are."""
+        paths = set(paths)
+        for name in splits:
+            items = getattr(self, f"_{name}")
+            if items:
+                setattr(self, f"_{name}", [d for d in items if d.impath not in paths])
+
     @staticmethod
     def get_num_classes(data_source) -> int:
         """Number of classes = max label + 1."""
@@ -203,8 +217,20 @@ def require_file(path: str, dataset: str, how: str = "") -> None:
 
 
 def read_split(filepath: str, path_prefix: str) -> tuple[list, list, list]:
-    """Read a CoOp ``split_zhou_*.json`` (``[relpath, label, classname]`` triplets)."""
-    split = read_json(filepath)
+    """Read a CoOp ``split_zhou_*.json`` (``[relpath, label, classname]`` triplets).
+
+    Raises:
+        SplitFileError: the file is not valid JSON or not in CoOp's format (names the fix).
+    """
+    fix = (
+        "Delete it to have a split generated (a new split, not the paper's), or download "
+        "CoOp's split file again (`python tools/download_data.py --root DATASET.ROOT <dataset>`)."
+    )
+    try:
+        with open(filepath, "rb") as f:
+            split = json.loads(f.read().decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SplitFileError(f"Split file {filepath} is not valid JSON ({e}). {fix}") from e
 
     def _convert(items):
         return [
@@ -215,10 +241,10 @@ def read_split(filepath: str, path_prefix: str) -> tuple[list, list, list]:
     try:
         return _convert(split["train"]), _convert(split["val"]), _convert(split["test"])
     except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(
+        raise SplitFileError(
             f"Split file {filepath} is not in CoOp's format "
             '({"train": [[relpath, label, classname], ...], "val": ..., "test": ...}): '
-            f"{e!r}. Delete it to have it regenerated."
+            f"{e!r}. {fix}"
         ) from e
 
 

@@ -9,7 +9,10 @@ This project draws the same samples (a ``random.Random(seed)``), and writes its 
 keyed by a hash of the source lists (``shot_{k}-seed_{seed}-{hash}.json``): a different split
 file, shot count or seed never reuses a wrong cache. Existing CoOp pickles are read too (their
 ``dassl.data.datasets.base_dataset.Datum`` objects are mapped to this project's Datum without
-importing Dassl) after checking that every sample belongs to the current split.
+importing Dassl) after checking that every sample belongs to the current split; they are never
+written (CoOp's code reads them). The project's cache is generated once under a file lock (runs
+started together use the same file), goes to the per-user cache when the dataset folder is
+read-only, and a damaged one is drawn again with a warning (see :mod:`.cache_files`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import os.path as osp
 import pickle
 import random
 
-from engine.utils import mkdir_if_missing, read_json, write_json
+from engine.utils import read_json, write_json
 
 from .base import DatasetBase, Datum
+from .cache_files import READ_ERRORS, generate_once, load_existing
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +120,8 @@ def load_or_create_fewshot(
         train, val: the full splits (all classes; subsampling comes after).
         num_shots: shots per class; val gets ``min(num_shots, 4)``.
         seed: the run seed; a negative seed draws at random and does not cache.
-        root: the dataset folder; caches go to ``root/split_fewshot``.
+        root: the dataset folder; caches go to ``root/split_fewshot`` (or, when it is
+            read-only, to the same place under ``$SAMPLE_PL_CACHE/datasets/``).
     """
     if num_shots < 1:
         return train, val
@@ -129,44 +134,58 @@ def load_or_create_fewshot(
     cache_dir = osp.join(root, "split_fewshot")
     key = _source_key(train, val, num_shots, seed, root)
     own = osp.join(cache_dir, f"shot_{num_shots}-seed_{seed}-{key}.json")
-    if osp.isfile(own):
-        logger.info("Loading few-shot cache %s", own)
-        data = read_json(own)
+
+    def load(path):
+        data = read_json(path)
 
         def _convert(items):
-            return [Datum(_abspath(p, root), y, 0, c) for p, y, c in items]
+            return [Datum(_abspath(p, root), int(y), 0, c) for p, y, c in items]
 
+        logger.info("Loading few-shot cache %s", path)
         return _convert(data["train"]), _convert(data["val"])
 
-    coop = osp.join(cache_dir, f"shot_{num_shots}-seed_{seed}.pkl")
-    if osp.isfile(coop):
-        try:
-            data = load_coop_fewshot_pickle(coop)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            logger.warning("Ignoring unreadable CoOp few-shot cache %s (%s)", coop, e)
-        else:
-            known = {_relpath(d.impath, root).replace("\\", "/"): d for d in train + val}
-            tr = _match_to_split(data["train"], known)
-            va = _match_to_split(data.get("val", []), known)
-            if tr is not None and va is not None:
-                logger.info("Loading CoOp few-shot cache %s", coop)
-                return tr, va
-            logger.warning(
-                "CoOp few-shot cache %s holds images that are not in the current split; "
-                "drawing a new few-shot set instead",
-                coop,
-            )
+    cached = load_existing(own, load, "Few-shot cache", ours=True)
+    if cached is not None:
+        return cached
+    coop = _coop_cache(osp.join(cache_dir, f"shot_{num_shots}-seed_{seed}.pkl"), train, val, root)
+    if coop is not None:
+        return coop
 
-    rng = random.Random(seed)
-    few_train, few_val = _draw(dataset, train, val, num_shots, rng)
-    mkdir_if_missing(cache_dir)
+    def generate():
+        return _draw(dataset, train, val, num_shots, random.Random(seed))
 
-    def _extract(items):
-        return [(_relpath(d.impath, root), d.label, d.classname) for d in items]
+    def save(value, path):
+        def _extract(items):
+            return [(_relpath(d.impath, root), d.label, d.classname) for d in items]
 
-    write_json({"train": _extract(few_train), "val": _extract(few_val)}, own)
-    logger.info("Saved few-shot cache to %s", own)
-    return few_train, few_val
+        write_json({"train": _extract(value[0]), "val": _extract(value[1])}, path)
+        logger.info("Saved few-shot cache to %s", path)
+
+    # a cache that cannot be saved costs nothing but time: the draw is seeded
+    return generate_once(own, load, generate, save, "Few-shot cache", required=False)
+
+
+def _coop_cache(path: str, train, val, root: str):
+    """The draw of CoOp's ``shot_{k}-seed_{s}.pkl`` (read, never written) if it fits the split."""
+    if not osp.isfile(path):
+        return None
+    try:
+        data = load_coop_fewshot_pickle(path)
+    except READ_ERRORS as e:
+        logger.warning("Ignoring unreadable CoOp few-shot cache %s (%s)", path, e)
+        return None
+    known = {_relpath(d.impath, root).replace("\\", "/"): d for d in train + val}
+    tr = _match_to_split(data["train"], known)
+    va = _match_to_split(data.get("val", []), known)
+    if tr is not None and va is not None:
+        logger.info("Loading CoOp few-shot cache %s", path)
+        return tr, va
+    logger.warning(
+        "CoOp few-shot cache %s holds images that are not in the current split; "
+        "drawing a new few-shot set instead",
+        path,
+    )
+    return None
 
 
 def _draw(dataset, train, val, num_shots, rng):

@@ -5,6 +5,10 @@ CoOp runs 200 epochs over a few hundred images and decodes every JPEG again each
 ``[3, H, W]`` tensors (within ``DATALOADER.CACHE_DECODED_MB``); the augmentation still runs per
 epoch. Training pipelines start with ``ToImage``, so a cached tensor and a freshly decoded PIL
 image go through exactly the same operations: the batches are identical, only faster.
+
+Building the cache is also where the training images are checked: every image is either
+decoded or given the fast check of :mod:`.image_check`, and the unreadable ones are returned
+(all of them, with reasons) instead of failing one at a time in a loader worker.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
+
+from .image_check import UnreadableImagesError, describe, find_unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -35,32 +41,70 @@ class DecodedImageCache:
     def nbytes(self) -> int:
         return sum(t.numel() for t in self._images.values())
 
+    def subset(self, keep: list[int]) -> DecodedImageCache:
+        """The cache of ``[data_source[i] for i in keep]`` (indices renumbered)."""
+        return DecodedImageCache(
+            {new: self._images[old] for new, old in enumerate(keep) if old in self._images}
+        )
+
     @classmethod
     def build(cls, cfg, data_source, num_threads: int = 8) -> DecodedImageCache | None:
-        """Decode ``data_source`` (threads; PIL releases the GIL while decoding)."""
-        from .manager import read_image
+        """Decode ``data_source`` (see :meth:`build_checked`); unreadable images raise
+        :class:`~engine.data.image_check.UnreadableImagesError` listing all of them."""
+        cache, bad = cls.build_checked(cfg, data_source, num_threads)
+        if bad:
+            raise UnreadableImagesError(bad, "training", len(data_source))
+        return cache
 
+    @classmethod
+    def build_checked(
+        cls, cfg, data_source, num_threads: int = 8
+    ) -> tuple[DecodedImageCache | None, list[tuple[str, str]]]:
+        """Check every image and decode those that fit the budget (threads; PIL releases the
+        GIL while decoding).
+
+        Returns:
+            The cache (None when the budget is 0) keyed by the index in ``data_source``, and
+            ``(path, reason)`` for every unreadable image (none of them is cached).
+        """
+        bad = find_unreadable(data_source, num_threads)  # fast; covers images beyond the budget
         budget = int(cfg.DATALOADER.CACHE_DECODED_MB) * 2**20
         if budget <= 0 or not data_source:
-            return None
+            return None, bad
+        unreadable = {p for p, _ in bad}
 
         def size(item) -> int:  # the header only: no decoding
+            if item.impath in unreadable:
+                return 0
             with Image.open(item.impath) as img:
                 return 3 * img.size[0] * img.size[1]
 
         def decode(item):
-            return pil_to_tensor(read_image(item.impath))  # [3, H, W] uint8
+            try:
+                with Image.open(item.impath) as img:
+                    return pil_to_tensor(img.convert("RGB")), None  # [3, H, W] uint8
+            except Exception as e:  # reported with the others, not raised from a thread
+                return None, describe(e)
 
         with ThreadPoolExecutor(max_workers=num_threads) as pool:
             selected, used = [], 0
             for idx, nbytes in enumerate(pool.map(size, data_source)):
                 if used + nbytes > budget:
                     break
-                selected.append(idx)
-                used += nbytes
-            tensors = pool.map(decode, [data_source[i] for i in selected])
-            images = dict(zip(selected, tensors))
-        if len(images) < len(data_source):
+                if data_source[idx].impath not in unreadable:
+                    selected.append(idx)
+                    used += nbytes
+            images = {}
+            for idx, (tensor, reason) in zip(
+                selected, pool.map(decode, [data_source[i] for i in selected])
+            ):
+                if tensor is None:
+                    if data_source[idx].impath not in unreadable:
+                        bad.append((data_source[idx].impath, reason))
+                        unreadable.add(data_source[idx].impath)
+                else:
+                    images[idx] = tensor
+        if len(images) + len(bad) < len(data_source):
             logger.info(
                 "Decoded-image cache: %d of %d training images fit DATALOADER.CACHE_DECODED_MB="
                 "%d; the others are decoded every epoch",
@@ -72,4 +116,4 @@ class DecodedImageCache:
             logger.info(
                 "Decoded-image cache: %d training images, %.1f MB", len(images), used / 2**20
             )
-        return cls(images)
+        return cls(images), bad

@@ -15,29 +15,36 @@ from PIL import Image
 from tabulate import tabulate
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from engine.errors import ConfigError
 from engine.registry import DATASET_REGISTRY
 from engine.utils import epoch_seed
 
+from .image_check import ImageReadError, describe, find_unreadable, handle_unreadable
 from .transforms import build_transform
+from .validate import validate_data_cfg
 
 logger = logging.getLogger(__name__)
 
 
 def read_image(path: str) -> Image.Image:
-    """Open an image as RGB; a missing or corrupt file raises with its path."""
+    """Open an image as RGB; a missing or corrupt file raises ImageReadError with its path."""
     try:
         with Image.open(path) as img:
             return img.convert("RGB")
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"Image file not found: {path}") from e
-    except OSError as e:
-        raise OSError(f"Cannot read image {path}: {e}") from e
+    except Exception as e:  # also from a loader worker: one line naming the file
+        raise ImageReadError(
+            f"Cannot read image {path}: {describe(e)}. It changed or became unreadable after "
+            "the check at start-up; replace it, or set DATASET.SKIP_UNREADABLE True and "
+            "start again"
+        ) from e
 
 
 def build_dataset(cfg):
     """Build the dataset named ``cfg.DATASET.NAME`` (train_x, val, test, classnames, lab2cname)."""
     if not cfg.DATASET.NAME:
-        raise ValueError("DATASET.NAME is empty: pass --dataset-config-file or DATASET.NAME <name>")
+        raise ConfigError(
+            "DATASET.NAME is empty: pass --dataset-config-file or DATASET.NAME <name>"
+        )
     logger.info("Loading dataset: %s", cfg.DATASET.NAME)
     return DATASET_REGISTRY.get(cfg.DATASET.NAME)(cfg)
 
@@ -188,10 +195,13 @@ class DataManager:
         dataset_wrapper=None,
         dataset=None,
     ):
+        validate_data_cfg(cfg)
         self.cfg = cfg
         dataset = dataset if dataset is not None else build_dataset(cfg)
         if not dataset.train_x and not dataset.test:
             raise ValueError(f"Dataset {cfg.DATASET.NAME} has no images")
+        self.check_eval_images(dataset)
+        self._train_images_checked = False
         tfm_train = custom_tfm_train or build_transform(cfg, is_train=True)
         tfm_test = custom_tfm_test or build_transform(cfg, is_train=False)
         self.tfm_train, self.tfm_test = tfm_train, tfm_test
@@ -240,18 +250,47 @@ class DataManager:
     def lab2cname(self) -> dict[int, str]:
         return self._lab2cname
 
+    def check_eval_images(self, dataset) -> None:
+        """Check the val and test images (fast, see :mod:`.image_check`) before anything runs:
+        unreadable ones raise, listed together, or are dropped (DATASET.SKIP_UNREADABLE)."""
+        checked = {}  # ImageNet's val is its test list: checked once
+        for name in ("test", "val"):
+            items = getattr(dataset, name)
+            if items:
+                if id(items) not in checked:
+                    checked[id(items)] = find_unreadable(items)
+                bad = checked[id(items)]
+                dataset.drop_images(handle_unreadable(self.cfg, bad, name, len(items)), [name])
+
     def cache_training_images(self) -> None:
-        """Decode the training images once into memory (``DATALOADER.CACHE_DECODED``).
+        """Check every training image and decode them once into memory
+        (``DATALOADER.CACHE_DECODED``).
 
         Called by the trainer when training starts (not for evaluation-only runs), before the
-        loader's workers exist, so they share the decoded images.
+        loader's workers exist, so they share the decoded images. Unreadable images raise one
+        error listing all of them, or are dropped with ``DATASET.SKIP_UNREADABLE True`` (the
+        loader then has fewer samples).
         """
         loader = self.train_loader_x
-        if loader is None or not self.cfg.DATALOADER.CACHE_DECODED or loader.dataset.images:
+        if loader is None or self._train_images_checked:
             return
         from .image_cache import DecodedImageCache
 
-        loader.dataset.images = DecodedImageCache.build(self.cfg, self.dataset.train_x)
+        wrapper = loader.dataset
+        items = wrapper.data_source
+        if self.cfg.DATALOADER.CACHE_DECODED and not wrapper.images:
+            cache, bad = DecodedImageCache.build_checked(self.cfg, items)
+        else:
+            cache, bad = wrapper.images, find_unreadable(items)
+        dropped = handle_unreadable(self.cfg, bad, "training", len(items))
+        if dropped:
+            keep = [i for i, d in enumerate(items) if d.impath not in dropped]
+            wrapper.data_source = [items[i] for i in keep]
+            loader.sampler.num_items = len(keep)
+            cache = cache.subset(keep) if cache is not None else None
+            self.dataset.drop_images(dropped, ["train_x"])
+        wrapper.images = cache
+        self._train_images_checked = True
 
     def show_dataset_summary(self) -> None:
         dataset = self.dataset

@@ -1,0 +1,80 @@
+"""Checks of the data-side config values (DATASET.*, DATALOADER.*, INPUT.*), by key name.
+
+The config merge already rejects unknown keys and wrong types; this checks the values, so that
+``DATALOADER.NUM_WORKERS -1`` or ``DATALOADER.TRAIN_X.BATCH_SIZE 0`` stop at start-up with a
+message naming the key instead of failing deep inside PyTorch.
+"""
+
+from __future__ import annotations
+
+from engine.errors import ConfigError
+
+SAMPLERS = ("RandomSampler", "SequentialSampler")
+SUBSAMPLES = ("all", "base", "new")
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
+
+def _problems(cfg) -> list[str]:
+    d, dl, inp = cfg.DATASET, cfg.DATALOADER, cfg.INPUT
+    out = []
+
+    def need(ok: bool, key: str, value, rule: str) -> None:
+        if not ok:
+            out.append(f"{key} must be {rule}, got {value!r}")
+
+    need(dl.NUM_WORKERS >= 0, "DATALOADER.NUM_WORKERS", dl.NUM_WORKERS, ">= 0 (0: main process)")
+    need(dl.K_TRANSFORMS >= 1, "DATALOADER.K_TRANSFORMS", dl.K_TRANSFORMS, ">= 1")
+    need(dl.CACHE_DECODED_MB >= 0, "DATALOADER.CACHE_DECODED_MB", dl.CACHE_DECODED_MB, ">= 0")
+    for node in ("TRAIN_X", "TEST"):
+        batch, sampler = dl[node].BATCH_SIZE, dl[node].SAMPLER
+        need(batch >= 1, f"DATALOADER.{node}.BATCH_SIZE", batch, ">= 1")
+        need(sampler in SAMPLERS, f"DATALOADER.{node}.SAMPLER", sampler, f"one of {SAMPLERS}")
+    need(
+        d.NUM_SHOTS >= -1,
+        "DATASET.NUM_SHOTS",
+        d.NUM_SHOTS,
+        "a number of images per class, or -1 for all images",
+    )
+    need(d.NUM_LABELED >= -1, "DATASET.NUM_LABELED", d.NUM_LABELED, ">= 0, or -1 for all")
+    need(0 <= d.VAL_PERCENT < 1, "DATASET.VAL_PERCENT", d.VAL_PERCENT, "in [0, 1)")
+    need(
+        d.SUBSAMPLE_CLASSES in SUBSAMPLES,
+        "DATASET.SUBSAMPLE_CLASSES",
+        d.SUBSAMPLE_CLASSES,
+        f"one of {SUBSAMPLES}",
+    )
+    size = tuple(inp.SIZE)
+    need(
+        len(size) == 2 and all(isinstance(v, int) and v >= 1 for v in size),
+        "INPUT.SIZE",
+        size,
+        "(height, width) in pixels, both >= 1",
+    )
+    need(
+        inp.INTERPOLATION in INTERPOLATIONS,
+        "INPUT.INTERPOLATION",
+        inp.INTERPOLATION,
+        f"one of {INTERPOLATIONS}",
+    )
+    need(len(inp.PIXEL_MEAN) == 3, "INPUT.PIXEL_MEAN", inp.PIXEL_MEAN, "3 values (R, G, B)")
+    need(
+        len(inp.PIXEL_STD) == 3 and all(v > 0 for v in inp.PIXEL_STD),
+        "INPUT.PIXEL_STD",
+        inp.PIXEL_STD,
+        "3 values (R, G, B), all > 0",
+    )
+    scale = tuple(inp.RRCROP_SCALE)
+    need(
+        len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1,
+        "INPUT.RRCROP_SCALE",
+        scale,
+        "(min, max) area fractions with 0 < min <= max <= 1",
+    )
+    return out
+
+
+def validate_data_cfg(cfg) -> None:
+    """Raise :class:`ConfigError` naming every data-side key whose value is invalid."""
+    problems = _problems(cfg)
+    if problems:
+        raise ConfigError("Invalid config value(s): " + "; ".join(problems) + ".")

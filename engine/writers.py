@@ -1,0 +1,78 @@
+"""Scalar writers: tensorboard (optional) and ``scalars.jsonl``, with one host sync per flush.
+
+Scalars (numbers or 0-d tensors still on the GPU) are queued by :meth:`ScalarWriter.add` and
+written at :meth:`ScalarWriter.flush`, which moves every queued tensor to the host in one
+transfer; the training loop flushes at its print frequency, so a step makes no host sync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os.path as osp
+
+import torch
+
+from .utils import mkdir_if_missing
+
+logger = logging.getLogger(__name__)
+
+
+class ScalarWriter:
+    """Queues ``{tag: value}`` rows per global step and writes them on :meth:`flush`."""
+
+    def __init__(self):
+        self._tb = None
+        self._file = None
+        self._pending: list[tuple[int, dict]] = []
+
+    def open(self, output_dir: str, tensorboard_dir: str) -> None:
+        """Open ``<output_dir>/scalars.jsonl`` (appending) and a tensorboard writer if installed."""
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                logger.info("tensorboard is not installed: scalars go to scalars.jsonl only")
+            else:
+                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if self._file is None:
+            mkdir_if_missing(output_dir)
+            self._file = open(osp.join(output_dir, "scalars.jsonl"), "a")  # noqa: SIM115
+
+    def add(self, values: dict, global_step: int) -> None:
+        """Queue scalars (numbers or 0-d tensors) for ``global_step``."""
+        if values:
+            self._pending.append((global_step, dict(values)))
+
+    def flush(self) -> None:
+        """Write the queued scalars (one host transfer for all tensors)."""
+        if not self._pending:
+            return
+        tensors = [v for _, d in self._pending for v in d.values() if isinstance(v, torch.Tensor)]
+        numbers = iter(
+            torch.stack([t.detach().float().reshape(()).cpu() for t in tensors]).tolist()
+            if tensors
+            else []
+        )
+        for step, d in self._pending:
+            row = {
+                k: (next(numbers) if isinstance(v, torch.Tensor) else float(v))
+                for k, v in d.items()
+            }
+            if self._tb is not None:
+                for k, v in row.items():
+                    self._tb.add_scalar(k, v, step)
+            if self._file is not None:
+                self._file.write(json.dumps({"step": step, **row}) + "\n")
+        self._pending.clear()
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

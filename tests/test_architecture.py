@@ -1,0 +1,181 @@
+"""The seams: a one-way import graph, models built without datasets, one way to read a model's
+outputs, config nodes found through the registry, Dassl's step names routed or refused."""
+
+from __future__ import annotations
+
+import ast
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import build_trainer
+from engine.registry import TRAINER_REGISTRY
+from engine.trainer import ModelOutput, TrainerX
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+# optim at the bottom, the engine above it, trainers and datasets above the engine (and not
+# importing each other), tools and train.py on top.
+LAYERS = {"optim": 0, "engine": 1, "trainers": 2, "datasets": 2, "tools": 3, "train": 3}
+
+
+def _imports(path: str) -> list[tuple[int, str]]:
+    """(line, top-level package) of every import in a file, lazy ones included."""
+    tree = ast.parse(open(path).read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def _package_files():
+    for pkg in LAYERS:
+        if pkg == "train":
+            yield pkg, osp.join(ROOT, "train.py")
+            continue
+        for dirpath, _, files in os.walk(osp.join(ROOT, pkg)):
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    yield pkg, osp.join(dirpath, f)
+
+
+def test_import_graph_is_one_way():
+    bad = []
+    for pkg, path in _package_files():
+        for line, target in _imports(path):
+            if target not in LAYERS or target == pkg:
+                continue
+            if LAYERS[target] >= LAYERS[pkg] or target == "train":
+                bad.append(f"{osp.relpath(path, ROOT)}:{line} ({pkg}) imports {target}")
+    assert not bad, "backward or sideways imports:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "module,forbidden",
+    [("optim", ("engine", "trainers", "datasets", "tools")), ("engine", ("trainers", "datasets"))],
+)
+def test_importing_a_layer_loads_nothing_above_it(module, forbidden):
+    code = (
+        f"import sys, {module}\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {forbidden!r})\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "", f"import {module} loaded {out}"
+
+
+def test_tools_do_not_repeat_the_sys_path_prologue():
+    tools = [f for f in os.listdir(osp.join(ROOT, "tools")) if f.endswith(".py")]
+    offenders = [
+        f
+        for f in tools
+        if f != "_repo.py" and "sys.path.insert" in open(osp.join(ROOT, "tools", f)).read()
+    ]
+    assert not offenders
+
+
+# -- models without datasets -------------------------------------------------------------------
+CLASSES = ["red circle", "blue square", "green_triangle"]
+TRAINABLE = [n for n in sorted(TRAINER_REGISTRY) if not n.startswith("Zeroshot")]
+
+
+def _cfg(trainer: str, tiny_clip_opts, tmp_path):
+    from conftest import make_cfg
+
+    opts = [*tiny_clip_opts, "OUTPUT_DIR", str(tmp_path / "out"), "DATASET.ROOT", "/nonexistent"]
+    if trainer in ("MaPLe", "CoPrompt"):
+        opts += [f"TRAINER.{trainer.upper()}.PROMPT_DEPTH", "1"]
+    if trainer == "CoPrompt":
+        opts += ["DATALOADER.K_TRANSFORMS", "2"]
+    if trainer == "TCP":
+        opts += ["TRAINER.TCP.INJECT_LAYER", "1"]
+    return make_cfg(opts, trainer=trainer)
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINER_REGISTRY))
+def test_every_trainer_builds_from_class_names_and_reports_its_outputs(
+    trainer, tiny_clip_opts, tmp_path
+):
+    cfg = _cfg(trainer, tiny_clip_opts, tmp_path)
+    tr = build_trainer(cfg, classnames=CLASSES)
+    assert tr.dm is None and tr.train_loader_x is None and tr.classnames == CLASSES
+    size = tuple(cfg.INPUT.SIZE)
+    image = torch.randn(2, 3, *size)
+    tr.set_model_mode("eval")
+    with torch.no_grad():
+        out = tr.model_outputs(image)
+        tr.before_test()
+        logits = tr.model_inference(image)
+        tr.after_test()
+    assert isinstance(out, ModelOutput)
+    assert out.logits.shape == (2, len(CLASSES))
+    assert out.image_features.shape[0] == 2
+    assert out.text_features.shape[-2] == len(CLASSES)
+    norms = out.image_features.float().norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-3)
+    # the evaluation path (cached text features) gives the same logits
+    torch.testing.assert_close(logits.float(), out.logits.float(), atol=1e-3, rtol=1e-3)
+    with pytest.raises(RuntimeError, match="class names only|nothing to train"):
+        tr.train()
+
+
+def test_config_node_comes_from_the_registry_not_the_class_name(tiny_clip_opts, tmp_path):
+    from trainers.coop import CoOp
+
+    class Renamed(CoOp):  # a subclass reusing CoOp's keys under another class name
+        pass
+
+    assert Renamed.config_node() == "COOP"
+    cfg = _cfg("CoOp", tiny_clip_opts, tmp_path)
+    tr = Renamed(cfg, classnames=CLASSES)
+    assert tr.trainer_cfg() is cfg.TRAINER.COOP
+    assert tr.prec == cfg.TRAINER.COOP.PREC
+    assert TRAINER_REGISTRY.get("ZeroshotCLIP2").config_node() == "ZEROSHOTCLIP"
+    assert TRAINER_REGISTRY.get("CoPrompt").config_node() == "COPROMPT"
+
+
+def test_dassl_step_names_route_through_the_step_or_point_to_the_protocol(tiny_clip_opts, tmp_path):
+    cfg = _cfg("CoOp", tiny_clip_opts, tmp_path)
+    tr = build_trainer(cfg, classnames=CLASSES)
+    for call in (lambda: tr.model_update(), lambda: tr.model_backward(torch.zeros(()))):
+        with pytest.raises(NotImplementedError, match="compute_loss"):
+            call()
+    # model_backward_and_update goes through the optimizer step (one-pass optimizers)
+    before = tr.model.prompt_learner.ctx.detach().clone()
+    tr.epoch = 0
+    loss = tr.model_outputs(torch.randn(2, 3, *cfg.INPUT.SIZE)).logits.logsumexp(-1).mean()
+    tr.model_backward_and_update(loss)
+    assert not torch.equal(before, tr.model.prompt_learner.ctx.detach())
+    # a sharpness-aware optimizer cannot be driven that way: a pointer, not a plain-SGD step
+    from conftest import make_cfg
+
+    cfg_sam = make_cfg([*cfg_opts(cfg), "OPTIM.SAM.NAME", "sam"], trainer="CoOp")
+    tr_sam = build_trainer(cfg_sam, classnames=CLASSES)
+    tr_sam.epoch = 0
+    loss = tr_sam.model_outputs(torch.randn(2, 3, *cfg.INPUT.SIZE)).logits.logsumexp(-1).mean()
+    with pytest.raises(RuntimeError, match="prepare_step"):
+        tr_sam.model_backward_and_update(loss)
+
+
+def cfg_opts(cfg) -> list[str]:
+    """KEY VALUE options that rebuild ``cfg``'s backbone and output settings."""
+    b = cfg.MODEL.BACKBONE
+    opts = ["MODEL.BACKBONE.NAME", b.NAME, "MODEL.BACKBONE.CONFIG", b.CONFIG]
+    opts += ["MODEL.BACKBONE.PATH", b.PATH, "OUTPUT_DIR", cfg.OUTPUT_DIR]
+    from engine.toy import TINY_OPTS
+
+    return opts + list(TINY_OPTS)
+
+
+def test_trainer_base_class_is_the_public_one():
+    assert issubclass(TRAINER_REGISTRY.get("CoOp"), TrainerX)
+    assert TRAINABLE  # the registry drives the shared tests
