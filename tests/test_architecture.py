@@ -98,6 +98,9 @@ def _cfg(trainer: str, tiny_clip_opts, tmp_path):
         opts += ["DATALOADER.K_TRANSFORMS", "2"]
     if trainer == "TCP":
         opts += ["TRAINER.TCP.INJECT_LAYER", "1"]
+    if trainer in ("IVLP", "PromptSRC"):  # the tiny CLIP has 2 blocks per tower
+        node = f"TRAINER.{trainer.upper()}"
+        opts += [f"{node}.PROMPT_DEPTH_TEXT", "2", f"{node}.PROMPT_DEPTH_VISION", "2"]
     return make_cfg(opts, trainer=trainer)
 
 

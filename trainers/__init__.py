@@ -1,3 +1,3 @@
 """Prompt-learning trainers, registered in engine.registry.TRAINER_REGISTRY on import."""
 
-from . import cocoop, coop, coprompt, maple, tcp, zsclip  # noqa: F401
+from . import cocoop, coop, coprompt, ivlp, kgcoop, maple, promptsrc, tcp, zsclip  # noqa: F401
