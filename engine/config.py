@@ -197,9 +197,12 @@ def get_cfg_default() -> CN:
     that any trainer config file merges into it. Trainers register when their package is imported
     (``import trainers``; train.py and the tools do it); the engine never imports them itself.
     """
+    from optim import add_optimizer_keys
+
     from .registry import TRAINER_REGISTRY
 
     cfg = get_base_cfg_default()
+    add_optimizer_keys(cfg)  # OPTIM.SAM keys of registered optimizers the defaults lack
     for name in TRAINER_REGISTRY:
         TRAINER_REGISTRY.get(name).add_config(cfg)
     return cfg

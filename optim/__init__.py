@@ -2,7 +2,9 @@
 
 from .build import (
     OPTIMIZER_REGISTRY,
+    HParam,
     OptimizerSpec,
+    add_optimizer_keys,
     build_optimizer,
     get_optimizer_spec,
     list_optimizers,
@@ -22,6 +24,8 @@ __all__ = [
     "SAMPLe",
     "SharpnessAwareOptimizer",
     "OPTIMIZER_REGISTRY",
+    "HParam",
+    "add_optimizer_keys",
     "OptimizerSpec",
     "build_lr_scheduler",
     "build_optimizer",

@@ -1,8 +1,12 @@
 """The optimizer registry and ``build_optimizer(cfg, params)``.
 
 Registry entries are data (:class:`OptimizerSpec`): name, class, description, kind ("base" or
-"sharpness") and whether ``step`` needs a closure. The engine reads ``needs_closure`` to decide
-how to step; trainers never look at the optimizer.
+"sharpness"), whether ``step`` needs a closure, its ``OPTIM.SAM.*`` hyper-parameters
+(:class:`HParam`: config key, constructor keyword, default, help) and small-problem values for
+the shared tests. The step object (:mod:`optim.step`) reads ``needs_closure`` to decide how to
+step; the config gains any new ``OPTIM.SAM`` key of a registered optimizer
+(:func:`add_optimizer_keys`); the shared tests run every registered entry. So a new optimizer is
+one file: its class and its ``register_optimizer`` call.
 
 ``OPTIM.NAME`` names the base optimizer (Dassl-compatible: sgd, adam, adamw, amsgrad, rmsprop,
 radam); ``OPTIM.SAM.NAME`` optionally wraps it in a sharpness-aware optimizer (sam, fsam, sagm,
@@ -11,7 +15,9 @@ sample) whose hyper-parameters come from ``OPTIM.SAM.*``.
 Adding an optimizer::
 
     register_optimizer("myopt", MyOpt, "one line on what it does", kind="sharpness",
-                       needs_closure=True, hparams=("RHO",))
+                       needs_closure=True,
+                       hparams=("RHO", HParam("BETA", "beta", 0.9, "my new knob")),
+                       test_kwargs=dict(rho=0.05, beta=0.9))
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,15 +36,37 @@ logger = logging.getLogger(__name__)
 
 OPTIMIZER_REGISTRY = Registry("optimizer")
 
-# OPTIM.SAM.<KEY> -> constructor keyword of the sharpness-aware classes
-SAM_KEY_TO_KWARG = {
-    "RHO": "rho",
-    "ALPHA": "alpha",
-    "LAMBDA": "lam",
-    "SIGMA": "sigma",
-    "ADAPTIVE": "adaptive",
-    "VARIANT": "variant",
-    "SCHEDULE": "schedule",
+
+@dataclass(frozen=True)
+class HParam:
+    """An ``OPTIM.SAM.<key>`` hyper-parameter passed to a sharpness-aware constructor.
+
+    Attributes:
+        key: the config key under OPTIM.SAM.
+        kwarg: the constructor keyword.
+        default: the config default (its type is the key's type).
+        help: one line for the config dump and the README.
+    """
+
+    key: str
+    kwarg: str
+    default: Any
+    help: str
+
+
+# The OPTIM.SAM keys of the built-in optimizers (declared with comments in engine/config.py);
+# an optimizer names them by key, or passes an HParam of its own.
+SAM_HPARAMS = {
+    h.key: h
+    for h in (
+        HParam("RHO", "rho", 0.05, "perturbation radius rho"),
+        HParam("ALPHA", "alpha", 0.0015, "SAGM/SAMPLe step alpha along the gradient"),
+        HParam("LAMBDA", "lam", 0.15, "moving-average factor lambda"),
+        HParam("SIGMA", "sigma", 1.0, "F-SAM scale of the removed full-gradient component"),
+        HParam("ADAPTIVE", "adaptive", False, "ASAM's scale-invariant perturbation"),
+        HParam("VARIANT", "variant", "paper", "paper | reference"),
+        HParam("SCHEDULE", "schedule", "constant", "constant | inv_sqrt"),
+    )
 }
 
 
@@ -51,8 +80,9 @@ class OptimizerSpec:
         description: one line for listings and the README.
         kind: "base" (a torch optimizer) or "sharpness" (wraps a base optimizer).
         needs_closure: ``step`` must be given a closure that re-evaluates the loss.
-        hparams: OPTIM.SAM keys passed to a sharpness-aware constructor.
+        hparams: the OPTIM.SAM hyper-parameters passed to a sharpness-aware constructor.
         make_kwargs: base optimizers: ``optim_cfg -> constructor kwargs``.
+        test_kwargs: constructor keywords of a small test problem (the shared tests use them).
     """
 
     name: str
@@ -60,8 +90,9 @@ class OptimizerSpec:
     description: str
     kind: str = "base"
     needs_closure: bool = False
-    hparams: tuple[str, ...] = ()
+    hparams: tuple[HParam, ...] = ()
     make_kwargs: Callable | None = field(default=None, compare=False)
+    test_kwargs: dict = field(default_factory=dict, compare=False)
 
 
 def register_optimizer(
@@ -70,15 +101,34 @@ def register_optimizer(
     description: str,
     kind: str = "base",
     needs_closure: bool = False,
-    hparams: tuple[str, ...] = (),
+    hparams: tuple[str | HParam, ...] = (),
     make_kwargs: Callable | None = None,
+    test_kwargs: dict | None = None,
 ) -> OptimizerSpec:
+    """Register an optimizer (see the module docstring); ``hparams`` names built-in OPTIM.SAM
+    keys (:data:`SAM_HPARAMS`) or gives new ones as :class:`HParam`."""
     if kind not in ("base", "sharpness"):
         raise ValueError(f"Optimizer kind must be 'base' or 'sharpness', got {kind!r}")
-    for key in hparams:
-        if key not in SAM_KEY_TO_KWARG:
-            raise ValueError(f"Unknown OPTIM.SAM key {key!r} for optimizer {name!r}")
-    spec = OptimizerSpec(name, cls, description, kind, needs_closure, tuple(hparams), make_kwargs)
+    resolved = []
+    for h in hparams:
+        if isinstance(h, str):
+            if h not in SAM_HPARAMS:
+                raise ValueError(
+                    f"Unknown OPTIM.SAM key {h!r} for optimizer {name!r}: pass an HParam to "
+                    f"declare a new one (known: {', '.join(SAM_HPARAMS)})"
+                )
+            h = SAM_HPARAMS[h]
+        resolved.append(h)
+    spec = OptimizerSpec(
+        name,
+        cls,
+        description,
+        kind,
+        needs_closure,
+        tuple(resolved),
+        make_kwargs,
+        dict(test_kwargs or {}),
+    )
     OPTIMIZER_REGISTRY.register(spec, name=name)
     return spec
 
@@ -212,7 +262,7 @@ def build_optimizer(cfg, params: nn.Module | Iterable) -> torch.optim.Optimizer:
         logger.info("Optimizer: %s over %s parameters", base.name, f"{n_params:,}")
         return optimizer
     spec = _get(sam_name, "sharpness", "OPTIM.SAM.NAME")
-    kwargs = {SAM_KEY_TO_KWARG[k]: optim_cfg.SAM[k] for k in spec.hparams}
+    kwargs = {h.kwarg: optim_cfg.SAM[h.key] for h in spec.hparams}
     optimizer = spec.cls(groups, base_optimizer=base.cls, **kwargs, **base_kwargs)
     optimizer.optim_spec = spec
     logger.info(
@@ -225,7 +275,17 @@ def build_optimizer(cfg, params: nn.Module | Iterable) -> torch.optim.Optimizer:
     return optimizer
 
 
-def list_optimizers() -> list[OptimizerSpec]:
+def list_optimizers(kind: str | None = None) -> list[OptimizerSpec]:
+    """The registered optimizers (of ``kind`` "base" or "sharpness" if given)."""
     import optim  # noqa: F401
 
-    return [OPTIMIZER_REGISTRY.get(n) for n in OPTIMIZER_REGISTRY]
+    specs = [OPTIMIZER_REGISTRY.get(n) for n in OPTIMIZER_REGISTRY]
+    return [s for s in specs if kind is None or s.kind == kind]
+
+
+def add_optimizer_keys(cfg) -> None:
+    """Add the OPTIM.SAM keys that registered optimizers declare and the config lacks."""
+    for spec in list_optimizers():
+        for h in spec.hparams:
+            if h.key not in cfg.OPTIM.SAM:
+                cfg.OPTIM.SAM[h.key] = h.default

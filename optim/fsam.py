@@ -95,4 +95,5 @@ register_optimizer(
     kind="sharpness",
     needs_closure=True,
     hparams=("RHO", "LAMBDA", "SIGMA", "VARIANT", "SCHEDULE"),
+    test_kwargs=dict(rho=0.05, lam=0.5, sigma=1.0),
 )

@@ -68,4 +68,5 @@ register_optimizer(
     kind="sharpness",
     needs_closure=True,
     hparams=("RHO", "ALPHA", "VARIANT", "SCHEDULE"),
+    test_kwargs=dict(rho=0.05, alpha=0.01),
 )

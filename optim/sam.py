@@ -73,4 +73,5 @@ register_optimizer(
     kind="sharpness",
     needs_closure=True,
     hparams=("RHO", "ADAPTIVE", "VARIANT", "SCHEDULE"),
+    test_kwargs=dict(rho=0.05),
 )

@@ -165,4 +165,5 @@ register_optimizer(
     kind="sharpness",
     needs_closure=True,
     hparams=("RHO", "ALPHA", "LAMBDA", "VARIANT", "SCHEDULE"),
+    test_kwargs=dict(rho=0.05, alpha=0.01, lam=0.5),
 )

@@ -45,6 +45,14 @@ def tiny_clip_opts(tiny_clip):
     ]
 
 
+@pytest.fixture(scope="session")
+def deep_opts(tmp_path_factory):
+    """Options selecting a tiny CLIP with 4 text and 4 vision blocks (deep-prompt trainers)."""
+    from helpers import write_deep_clip
+
+    return write_deep_clip(str(tmp_path_factory.mktemp("deep_clip")))
+
+
 @pytest.fixture
 def dtd_root(tmp_path):
     """A fresh DTD-layout dataset (7 classes x 10 images, no split file)."""

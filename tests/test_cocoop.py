@@ -190,50 +190,6 @@ def test_only_prompt_learner_trains_and_frozen_work_runs_once(tmp_path, dtd_root
     assert calls == {"image": len(tr.train_loader_x), "embed": 0}
 
 
-PRECISIONS = ("fp32", "fp16", "amp", "bf16")
-# every precision with SGD and SGD + SAMPLe; the other optimizers once each
-STEP_CASES = [(p, "sgd", s) for p in PRECISIONS for s in ("", "sample")] + [
-    ("fp16", "sgd", "sam"),
-    ("bf16", "sgd", "fsam"),
-    ("amp", "adam", "sagm"),
-]
-
-
-@pytest.mark.parametrize("prec, base, sam", STEP_CASES)
-def test_one_step_in_every_precision(tmp_path, dtd_root, tiny_clip_opts, prec, base, sam):
-    tr = _trainer(
-        tmp_path,
-        dtd_root,
-        tiny_clip_opts,
-        "TRAINER.COCOOP.PREC",
-        prec,
-        "OPTIM.NAME",
-        base,
-        "OPTIM.SAM.NAME",
-        sam,
-        "OPTIM.SAM.RHO",
-        "0.5",
-    )
-    assert_one_step_updates(tr)
-
-
-def assert_one_step_updates(tr, max_tries: int = 4) -> None:
-    """One training step changes every learnable tensor (fp32, finite). Under amp the first
-    steps may be skipped while the GradScaler backs off from 65536 (as on a GPU)."""
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    before = [p.detach().clone() for p in params]
-    batch = next(iter(tr.train_loader_x))
-    tr.batch_idx = 0
-    for _ in range(max_tries if tr.prec == "amp" else 1):
-        out = tr.forward_backward(batch)
-        assert torch.isfinite(out["loss"])
-        if not torch.equal(before[0], params[0]):
-            break
-    for b, p in zip(before, params, strict=True):
-        assert p.dtype == torch.float32 and torch.isfinite(p).all()
-        assert not torch.equal(b, p)
-
-
 def test_config_has_cocoop_values():
     cfg = make_cfg([], trainer="CoCoOp", config_file=CONFIG)
     c, o = cfg.TRAINER.COCOOP, cfg.OPTIM

@@ -5,79 +5,34 @@ from __future__ import annotations
 
 import fnmatch
 import os.path as osp
-import re
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import (
+    DEEP_CLIP,
+    DEPTH,
+    MAPLE_CFG,
+    N_CTX,
+    PROJECTIONS,
+    PROMPTS,
+    SAMPLE_FILE,
+    build,
+    check_base_to_new,
+    check_staged,
+    staged_run,
+)
 
-from engine import build_trainer
 from engine.clip import BackboneError, PromptedVisionEncoder, TextEncoder, load_clip, tokenize
 from engine.clip.model import build_clip
-from engine.toy import TINY_OPTS, write_tiny_clip
 from trainers.maple import MaPLeCLIP, MultiModalPromptLearner, text_prompt_hook
 
-DEEP_CLIP = {
-    "embed_dim": 32,
-    "quick_gelu": True,
-    "vision_cfg": {"image_size": 32, "layers": 4, "width": 64, "patch_size": 8, "head_width": 32},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 4},
-}
 CLASSES = ["red circle", "blue_square", "a very long class name with words"]
-N_CTX, DEPTH = 2, 3
-MAPLE_CFG = "configs/trainers/MaPLe/vit_b16_c2_ep5_batch4_2ctx.yaml"
-PROJECTIONS = {"proj.weight", "proj.bias"} | {
-    f"compound_prompt_projections.{i}.{k}" for i in range(DEPTH - 1) for k in ("weight", "bias")
-}
-SAMPLE_FILE = "configs/optim/MaPLe/sample.yaml"
-PROMPTS = {"ctx"} | {f"compound_prompts_text.{i}" for i in range(DEPTH - 1)}
-
-
-def write_deep_clip(folder: str) -> list[str]:
-    """Write the 4-block tiny CLIP to ``folder``; the options that select it (plus TINY_OPTS)."""
-    cfg_path, ckpt = write_tiny_clip(folder, config=DEEP_CLIP)
-    backbone = ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path]
-    return [*backbone, "MODEL.BACKBONE.PATH", ckpt, *TINY_OPTS]
-
-
-@pytest.fixture(scope="module")
-def deep_opts(tmp_path_factory):
-    return write_deep_clip(str(tmp_path_factory.mktemp("deep_clip")))
 
 
 @pytest.fixture(scope="module")
 def clip_model(deep_opts):
     return load_clip(make_cfg(deep_opts[:6]))
-
-
-def trainer_opts(root, out, deep_opts, trainer="MaPLe", prec="fp32", *extra):
-    key = f"TRAINER.{trainer.upper()}"
-    return [
-        "--root", root, "--seed", "1", "--output-dir", out, *deep_opts,
-        f"{key}.PREC", prec, f"{key}.PROMPT_DEPTH", str(DEPTH), f"{key}.N_CTX", str(N_CTX),
-        "OPTIM.NAME", "sgd", "OPTIM.LR", "0.01", "OPTIM.MAX_EPOCH", "1",
-        "DATASET.NUM_SHOTS", "2", "TEST.NO_TEST", "True", *extra,
-    ]  # fmt: skip
-
-
-def build(tmp_path, root, deep_opts, *extra, trainer="MaPLe", prec="fp32", optim_file=""):
-    """An in-process trainer; ``optim_file``: a file under configs/optim/<trainer>/."""
-    flags = ["--optim-config-file", osp.join(ROOT, optim_file)] if optim_file else []
-    opts = trainer_opts(root, str(tmp_path / f"out_{prec}"), deep_opts, trainer, prec, *extra)
-    return build_trainer(make_cfg(flags + opts, trainer=trainer))
-
-
-def steps_until_update(tr, param: str = "ctx") -> dict:
-    """Training steps (as the engine runs them) until ``learnable.<param>`` changes: amp's
-    first steps may be skipped while the GradScaler backs off from an overflow."""
-    tr.set_model_mode("train")
-    before = dict(tr.model.learnable.named_parameters())[param].detach().clone()
-    for i, batch in enumerate(tr.train_loader_x):
-        tr.batch_idx = i
-        out = tr.forward_backward(batch)
-        if not torch.equal(before, dict(tr.model.learnable.named_parameters())[param]):
-            return out
-    raise AssertionError(f"{param} never changed in {len(tr.train_loader_x)} steps")
 
 
 def record_blocks(blocks) -> tuple[list, list]:
@@ -292,101 +247,15 @@ def test_stage_that_never_starts_is_an_error(tmp_path, dtd_root, deep_opts):
         tr.train()
 
 
-def staged_run(tr) -> dict:
-    """Train with snapshots of the learnable state at the start of every epoch."""
-    snaps = {}
-    before = tr.before_epoch
-
-    def before_epoch():
-        before()
-        snaps[tr.epoch] = {
-            k: v.detach().clone() for k, v in tr.model.learnable.state_dict().items()
-        }
-
-    tr.before_epoch = before_epoch
-    tr.train()
-    snaps["end"] = {k: v.detach().clone() for k, v in tr.model.learnable.state_dict().items()}
-    return snaps
-
-
-def check_staged(tr, snaps, frozen: set, trained: set) -> None:
-    params = dict(tr.model.learnable.named_parameters())
-    assert {n for n, p in params.items() if not p.requires_grad} == frozen
-    for name in frozen:
-        assert not torch.equal(snaps[0][name], snaps[1][name]), name  # trained in stage 1
-        assert torch.equal(snaps[1][name], snaps["end"][name]), name  # frozen in stage 2
-    for name in trained:
-        assert not torch.equal(snaps[1][name], snaps["end"][name]), name
-
-
 def test_staged_training_freezes_the_projections(tmp_path, dtd_root, deep_opts):
     tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1",
                optim_file=SAMPLE_FILE)  # fmt: skip
     check_staged(tr, staged_run(tr), frozen=PROJECTIONS, trained=PROMPTS)
 
 
-@pytest.mark.parametrize("prec", ["fp32", "fp16", "amp", "bf16"])
-@pytest.mark.parametrize("name", ["", "sample"])
-def test_one_step_in_every_precision(tmp_path, dtd_root, deep_opts, prec, name):
-    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.SAM.NAME", name, prec=prec)
-    out = steps_until_update(tr)
-    assert torch.isfinite(out["loss"])
-    for k, v in tr.model.learnable.state_dict().items():
-        assert v.dtype == torch.float32 and torch.isfinite(v).all(), k
-    if name:
-        assert "grad_norm" in out  # the two-pass step ran
-
-
 # ----------------------------------------------------------------------------------------------
 # train.py: base classes with SGD and with SAMPLe (staged), then the new classes
 # ----------------------------------------------------------------------------------------------
-def train_py_args(root, out, deep_opts, trainer, config_files, *extra):
-    key = f"TRAINER.{trainer.upper()}"
-    config_files = [config_files] if isinstance(config_files, str) else config_files
-    return [
-        "--root", root, "--seed", "1", "--trainer", trainer,
-        "--dataset-config-file", osp.join(ROOT, "configs/datasets/dtd.yaml"),
-        "--config-file", *[osp.join(ROOT, f) for f in config_files], "--output-dir", out,
-        *deep_opts,
-        f"{key}.PREC", "fp32", f"{key}.PROMPT_DEPTH", str(DEPTH), f"{key}.N_CTX", str(N_CTX),
-        "DATASET.NUM_SHOTS", "2", *extra,
-    ]  # fmt: skip
-
-
-def accuracy(log: str) -> float:
-    return float(re.findall(r"\* accuracy: ([\d.]+)%", log)[-1])
-
-
-def check_base_to_new(tmp_path, dtd_root, deep_opts, trainer, config_files, names, *extra):
-    """SGD and staged SAMPLe runs on the base classes, then the new classes from the SAMPLe
-    checkpoint."""
-    sgd_out, sam_out = str(tmp_path / "sgd"), str(tmp_path / "sample")
-    base = ("DATASET.SUBSAMPLE_CLASSES", "base", *extra)
-    run_train(train_py_args(dtd_root, sgd_out, deep_opts, trainer, config_files, *base,
-                            "OPTIM.MAX_EPOCH", "1"))  # fmt: skip
-    log = open(osp.join(sgd_out, "log.txt")).read()
-    assert "Optimizer: sgd over" in log and 0 <= accuracy(log) <= 100
-    assert re.search(r"# classes\s+4\n", log)  # DTD's 7 classes: 4 base
-    optim_file = osp.join(ROOT, f"configs/optim/{trainer}/sample.yaml")
-    run_train(["--optim-config-file", optim_file]
-              + train_py_args(dtd_root, sam_out, deep_opts, trainer, config_files, *base,
-                              "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1"))  # fmt: skip
-    log = open(osp.join(sam_out, "log.txt")).read()
-    assert "Optimizer: sample(sgd)" in log and "cos_g_gp" in log
-    assert "Epoch 2: the sharpness-aware stage starts; frozen: MultiModalPromptLearner." in log
-    ckpt = torch.load(
-        osp.join(sam_out, "MultiModalPromptLearner", "model.pth.tar-2"), weights_only=True
-    )
-    assert set(ckpt["state_dict"]) == names
-    new_out = str(tmp_path / "new")
-    eval_flags = ["--eval-only", "--model-dir", sam_out, "--load-epoch", "2"]
-    new = ("DATASET.SUBSAMPLE_CLASSES", "new", *extra)
-    run_train(eval_flags + train_py_args(dtd_root, new_out, deep_opts, trainer, config_files, *new))
-    log = open(osp.join(new_out, "log.txt")).read()
-    assert 'Loading weights to MultiModalPromptLearner from "' in log
-    assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100  # 3 new classes
-
-
 @pytest.mark.slow
 def test_train_py_base_to_new(tmp_path, dtd_root, deep_opts):
     check_base_to_new(tmp_path, dtd_root, deep_opts, "MaPLe", MAPLE_CFG, PROMPTS | PROJECTIONS)

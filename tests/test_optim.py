@@ -19,19 +19,31 @@ from engine.config import get_base_cfg_default
 from optim import FSAM, SAGM, SAM, SAMPLe, SharpnessAwareOptimizer
 from optim.build import OPTIMIZER_REGISTRY, build_optimizer, list_optimizers
 
-NAMES = ("sam", "fsam", "sagm", "sample")
+# The registry drives the suite: every registered sharpness-aware optimizer runs every shared
+# check with the small-problem hyper-parameters of its registry entry (``test_kwargs``).
+SPECS = list_optimizers("sharpness")
+NAMES = tuple(s.name for s in SPECS)
 VARIANTS = ("paper", "reference")
-HPARAMS = {  # small-problem hyper-parameters of each optimizer
-    "sam": dict(rho=0.05),
-    "fsam": dict(rho=0.05, lam=0.5, sigma=1.0),
-    "sagm": dict(rho=0.05, alpha=0.01),
-    "sample": dict(rho=0.05, alpha=0.01, lam=0.5),
-}
+HPARAMS = {s.name: dict(s.test_kwargs) for s in SPECS}
+ADAPTIVE = [s.name for s in SPECS if any(h.key == "ADAPTIVE" for h in s.hparams)]
 CASES = [(n, v, {}) for n in NAMES for v in VARIANTS] + [
-    ("sam", v, {"adaptive": True}) for v in VARIANTS
+    (n, v, {"adaptive": True}) for n in ADAPTIVE for v in VARIANTS
 ]
-CASE_IDS = [f"{'asam' if kw else n}-{v}" for n, v, kw in CASES]
-EMA_NAMES = ("fsam", "sample")
+CASE_IDS = [f"{'a' + n if kw else n}-{v}" for n, v, kw in CASES]
+
+
+def _keeps_average(name: str) -> bool:
+    """Whether the optimizer keeps a moving average of the gradient (found by one step)."""
+    p = nn.Parameter(torch.ones(2))
+    opt = OPTIMIZER_REGISTRY.get(name).cls([p], lr=0.1, **HPARAMS[name])
+    p.grad = torch.ones(2)
+    opt.first_step(zero_grad=True)
+    p.grad = torch.ones(2)
+    opt.second_step()
+    return "ema" in opt.state[p]
+
+
+EMA_NAMES = tuple(n for n in NAMES if _keeps_average(n))
 
 every_case = pytest.mark.parametrize("name,variant,extra", CASES, ids=CASE_IDS)
 

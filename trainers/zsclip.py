@@ -90,6 +90,7 @@ class ZeroshotCLIP(TrainerX):
 
     add_config = staticmethod(add_zsclip_config)
     CONFIG_NODE = "ZEROSHOTCLIP"  # shared by ZeroshotCLIP2
+    EVAL_ONLY = True
     templates_per_class = None  # set by the ensemble variant
 
     def templates(self) -> list[str]:
