@@ -27,6 +27,7 @@ from engine.data import (
     save_split,
     subsample_classes,
 )
+from engine.data.cache_files import load_or_generate
 from engine.utils import listdir_nohidden
 
 logger = logging.getLogger(__name__)
@@ -265,16 +266,26 @@ def split_seed(cfg) -> int:
 def read_or_generate_split(cfg, split_path: str, path_prefix: str, generate: Callable):
     """Read a CoOp split file, or call ``generate(rng)`` and save its result there.
 
+    Generation is locked (:func:`engine.data.cache_files.generate_once`): runs started together
+    on a dataset without a split file all use the one that is saved. A read-only dataset folder
+    keeps the generated file in the per-user cache. A damaged split file raises DataError.
+
     Returns:
         ``(train, val, test)`` lists of Datum.
     """
-    if osp.isfile(split_path):
-        return read_split(split_path, path_prefix)
     seed = split_seed(cfg)
-    logger.info("%s not found: generating a split (seed %d) and saving it", split_path, seed)
-    train, val, test = generate(random.Random(seed))
-    save_split(train, val, test, split_path, path_prefix)
-    return train, val, test
+
+    def load(path):
+        return read_split(path, path_prefix)
+
+    def generate_split():
+        logger.info("%s not found: generating a split (seed %d) and saving it", split_path, seed)
+        return generate(random.Random(seed))
+
+    def save(value, path):
+        save_split(*value, path, path_prefix)
+
+    return load_or_generate(split_path, load, generate_split, save, "Split file", ours=False)
 
 
 class CoOpDataset(DatasetBase):

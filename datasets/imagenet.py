@@ -5,13 +5,18 @@ Label = index of the wnid among the sorted training folders; the class name come
 classnames.txt. As in CoOp, the val images are the test set and also serve as "val" (there is
 no separate val split), and few-shot draws take train images only.
 
-Listing 1.3 M files takes minutes, so the parsed lists are cached in ``preprocessed.pkl``
-(plain lists of ``(path relative to images/, label)`` plus the class names) together with a
-fingerprint of the class folders (names and modification times of every train and val class
-folder, which change when a file is added, removed or renamed) and of classnames.txt: a later
-run re-uses the lists while the fingerprint matches and re-scans otherwise. A
-``preprocessed.pkl`` written by the CoOp code base (pickled Dassl Datum objects) is used as it
-is when its paths lie in this image folder; it is never overwritten then.
+Listing 1.3 M files takes minutes, so the parsed lists are cached in this project's own file,
+``preprocessed_sample_pl.pkl`` (plain lists of ``(path relative to images/, label)`` plus the
+class names), together with a fingerprint of the class folders (names and modification times of
+every train and val class folder, which change when a file is added, removed or renamed) and of
+classnames.txt: a later run re-uses the lists while the fingerprint matches and re-scans
+otherwise. The cache is written once under a file lock, with normal file modes, and goes to the
+per-user cache when the dataset folder is read-only (see :mod:`engine.data.cache_files`).
+
+``preprocessed.pkl`` belongs to the CoOp code base (a dict ``{"train": [Datum], "test":
+[Datum]}`` of pickled Dassl Datum objects): it is read and used as it is when its paths lie in
+this image folder, and never written. A ``preprocessed.pkl`` written by earlier versions of this
+project (which broke CoOp's code) is moved to the new name.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import logging
 import os
 import os.path as osp
 import pickle
-import tempfile
 from itertools import chain
 
 from engine.data import DatasetNotFoundError, Datum
+from engine.data.cache_files import READ_ERRORS, generate_once, load_existing
 from engine.data.fewshot import load_datum_pickle
 from engine.registry import DATASET_REGISTRY
+from engine.utils import atomic_write_bytes
 
 from .common import (
     CLASSNAMES_DOWNLOAD,
@@ -69,6 +75,12 @@ class ImageNet(CoOpDataset):
 
     @property
     def cache_path(self) -> str:
+        """This project's list cache."""
+        return osp.join(self.dataset_dir, "preprocessed_sample_pl.pkl")
+
+    @property
+    def coop_cache_path(self) -> str:
+        """CoOp's list cache: read, never written."""
         return osp.join(self.dataset_dir, "preprocessed.pkl")
 
     @property
@@ -77,10 +89,21 @@ class ImageNet(CoOpDataset):
 
     def read_splits(self, cfg):
         fingerprint = self.fingerprint()
-        lists = self.load_cache(fingerprint)
+
+        def load(path):
+            return self.load_cache(path, fingerprint)
+
+        lists = load_existing(self.cache_path, load, "ImageNet list cache")
         if lists is None:
-            lists = self.scan()
-            self.save_cache(fingerprint, *lists)
+            lists = self.coop_cache(load)
+        if lists is None:
+
+            def save(value, path):
+                self.save_cache(path, fingerprint, *value)
+
+            lists = generate_once(
+                self.cache_path, load, self.scan, save, "ImageNet list cache", required=False
+            )
         train, test = lists
         return train, [], test
 
@@ -111,31 +134,61 @@ class ImageNet(CoOpDataset):
         test = read_class_folders(val_dir, classes, "ImageNet")
         return train, test
 
-    def load_cache(self, fingerprint: dict):
-        """The cached ``(train, test)`` lists, or None when absent or out of date."""
-        if not osp.isfile(self.cache_path):
+    def _move_old_cache(self, load_own):
+        old, new = self.coop_cache_path, self.cache_path
+        try:
+            if osp.exists(new):
+                raise FileExistsError(f"{new} exists")
+            os.replace(old, new)
+        except OSError as e:
+            logger.warning(
+                "%s was written by an earlier version of this project and breaks CoOp's code; "
+                "it could not be renamed to %s (%s): delete it",
+                old,
+                osp.basename(new),
+                e,
+            )
+            return None
+        logger.info("Moved this project's old list cache %s to %s", old, new)
+        return load_existing(new, load_own, "ImageNet list cache")
+
+    def load_cache(self, path: str, fingerprint: dict):
+        """The cached ``(train, test)`` lists of ``path``, or None when out of date.
+
+        Raises:
+            One of ``READ_ERRORS`` for a damaged file (it is then written again).
+        """
+        data = load_datum_pickle(path)
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+            raise ValueError(f"not a {CACHE_FORMAT} file")
+        if data.get("fingerprint") != fingerprint:
+            logger.info("ImageNet folders or classnames.txt changed; re-listing the images")
+            return None
+        names = data["classnames"]
+
+        def convert(rows):
+            return [Datum(osp.join(self.image_dir, p), y, 0, names[y]) for p, y in rows]
+
+        return convert(data["train"]), convert(data["test"])
+
+    def coop_cache(self, load_own):
+        """The lists of CoOp's ``preprocessed.pkl`` if all its paths are in this image folder.
+
+        A ``preprocessed.pkl`` in this project's old format (which breaks CoOp's code) is moved
+        to :attr:`cache_path` and read with ``load_own``.
+        """
+        path = self.coop_cache_path
+        if not osp.isfile(path):
             return None
         try:
-            data = load_datum_pickle(self.cache_path)
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-            logger.warning("Ignoring unreadable %s (%s); re-listing the images", self.cache_path, e)
+            data = load_datum_pickle(path)
+        except (*READ_ERRORS, OSError) as e:
+            logger.warning("Ignoring unreadable CoOp cache %s (%s)", path, e)
             return None
+        if isinstance(data, dict) and data.get("format") == CACHE_FORMAT:
+            return self._move_old_cache(load_own)
         if not isinstance(data, dict):
             return None
-        if data.get("format") == CACHE_FORMAT:
-            if data.get("fingerprint") != fingerprint:
-                logger.info("ImageNet folders or classnames.txt changed; re-listing the images")
-                return None
-            names = data["classnames"]
-
-            def convert(rows):
-                return [Datum(osp.join(self.image_dir, p), y, 0, names[y]) for p, y in rows]
-
-            return convert(data["train"]), convert(data["test"])
-        return self.coop_cache(data)
-
-    def coop_cache(self, data: dict):
-        """The lists of a CoOp ``preprocessed.pkl`` if all its paths are in this image folder."""
         train, test = data.get("train"), data.get("test")
         if not (isinstance(train, list) and isinstance(test, list)):
             return None
@@ -144,13 +197,14 @@ class ImageNet(CoOpDataset):
             logger.info(
                 "Using CoOp's %s (it is not checked against later changes of the image "
                 "folders; delete it to re-list them)",
-                self.cache_path,
+                path,
             )
             return train, test
-        logger.warning("%s lists images outside %s; re-listing", self.cache_path, self.image_dir)
+        logger.warning("%s lists images outside %s; re-listing", path, self.image_dir)
         return None
 
-    def save_cache(self, fingerprint: dict, train: list[Datum], test: list[Datum]) -> None:
+    def save_cache(self, path: str, fingerprint: dict, train: list[Datum], test: list[Datum]):
+        """Write this project's list cache to ``path`` (atomically, plain Python types)."""
         names = [c for _, c in sorted({(d.label, d.classname) for d in train})]
         start = len(self.image_dir) + 1
 
@@ -164,10 +218,4 @@ class ImageNet(CoOpDataset):
             "train": rows(train),
             "test": rows(test),
         }
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".preprocessed.", dir=self.dataset_dir)
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, self.cache_path)
-        except OSError as e:  # e.g. a read-only dataset folder: work without the cache
-            logger.warning("Could not write %s (%s); the next run lists again", self.cache_path, e)
+        atomic_write_bytes(path, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL))

@@ -268,7 +268,7 @@ def test_imagenet_lists_are_cached_and_invalidated(tmp_path, monkeypatch):
     root = str(tmp_path)
     BUILDERS["ImageNet"](root)
     first = listing(build("ImageNet", root))
-    cache = osp.join(root, "imagenet", "preprocessed.pkl")
+    cache = osp.join(root, "imagenet", "preprocessed_sample_pl.pkl")  # CoOp owns preprocessed.pkl
     with open(cache, "rb") as f:
         data = pickle.load(f)  # plain Python types only
     assert data["train"][0] == ("train/n01440764/n01440764_0.JPEG", 0)
