@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.clip import clip_dtype, tokenize, truncate_tokens
+from engine.trainer import ModelOutput, TrainerX
+from engine.utils import compute_accuracy
 from optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -30,20 +33,6 @@ def load_init_weights(module: nn.Module, path: str) -> None:
     module.load_state_dict(matched, strict=False)
     skipped = sorted(set(own) - set(matched))
     logger.info("Initialised %d tensors from %s; not in the file: %s", len(matched), path, skipped)
-
-
-def freeze_except(model: nn.Module, prefixes: tuple[str, ...]) -> list[str]:
-    """Set requires_grad only on parameters whose names start with one of ``prefixes``.
-
-    Returns the names of the trainable parameters.
-    """
-    trainable = []
-    for name, param in model.named_parameters():
-        on = name.startswith(prefixes)
-        param.requires_grad_(on)
-        if on:
-            trainable.append(name)
-    return trainable
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -74,21 +63,33 @@ def register_class_prompts(
     return tokens
 
 
-def setup_prompt_learner(trainer, name: str = "prompt_learner") -> list[str]:
-    """Train only ``trainer.model.<name>``: freeze the rest, load ``MODEL.INIT_WEIGHTS``, build
-    the optimizer and LR scheduler over it and register it (checkpoints hold its state dict).
+def setup_learnable(trainer, module: nn.Module, name: str) -> list[str]:
+    """Train only ``module`` (a part of ``trainer.model``): freeze the rest, load
+    ``MODEL.INIT_WEIGHTS``, build the optimizer and LR scheduler over it and register it under
+    ``name`` (its checkpoint folder; checkpoints hold its state dict only).
 
     Returns:
-        The names of the trainable parameters (logged).
+        The names of the trainable parameters (logged), relative to ``module``.
     """
-    module = getattr(trainer.model, name)
-    trainable = freeze_except(trainer.model, (f"{name}.",))
-    logger.info("Parameters to be updated: %s", ", ".join(trainable))
+    trainer.model.requires_grad_(False)
+    module.requires_grad_(True)
+    trainable = [n for n, _ in module.named_parameters()]
+    logger.info("Parameters to be updated: %s", ", ".join(f"{name}.{n}" for n in trainable))
     load_init_weights(module, trainer.cfg.MODEL.INIT_WEIGHTS)
     trainer.optim = build_optimizer(trainer.cfg, module)
     trainer.sched = build_lr_scheduler(trainer.optim, trainer.cfg.OPTIM)
     trainer.register_model(name, module, trainer.optim, trainer.sched)
     return trainable
+
+
+def setup_prompt_learner(trainer, name: str = "prompt_learner") -> list[str]:
+    """:func:`setup_learnable` for ``trainer.model.<name>`` registered as ``name``."""
+    return setup_learnable(trainer, getattr(trainer.model, name), name)
+
+
+def clip_logits(logit_scale: torch.Tensor, image: torch.Tensor, text: torch.Tensor):
+    """CLIP's ``logit_scale.exp() * image @ text^T``: ``[batch, n_cls]``."""
+    return logit_scale.exp() * image @ text.t().to(image.dtype)
 
 
 class FrozenImageCLIP(nn.Module):
@@ -109,4 +110,41 @@ class FrozenImageCLIP(nn.Module):
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
         """``logit_scale.exp() * image @ text^T``: ``[batch, n_cls]``."""
-        return self.logit_scale.exp() * image_features @ text_features.t().to(image_features.dtype)
+        return clip_logits(self.logit_scale, image_features, text_features)
+
+
+class PromptTrainer(TrainerX):
+    """Shared by text-prompt trainers with a frozen image encoder (CoOp, TCP, ...):
+    image features once per step, text features once per evaluation."""
+
+    def prepare_step(self, batch_inputs):
+        image, label = batch_inputs
+        return self.model.encode_image(image), label
+
+    def compute_loss(self, inputs):
+        image_features, label = inputs
+        logits = self.model.logits(image_features, self.model.encode_text())
+        loss = F.cross_entropy(logits.float(), label)
+        return loss, {"acc": compute_accuracy(logits, label)[0]}
+
+    def before_test(self):
+        self._text_features = self.model.encode_text()
+
+    def after_test(self):
+        self._text_features = None
+
+    def model_outputs(self, image):
+        image_features = self.model.encode_image(image)
+        text_features = self.model.encode_text()
+        return ModelOutput(
+            image_features, text_features, self.model.logits(image_features, text_features)
+        )
+
+    def model_inference(self, image):
+        return self.model.logits(self.model.encode_image(image), self._text_features)
+
+    def frozen_image_encoder(self):
+        return self.model.image_encoder
+
+    def model_inference_features(self, features):
+        return self.model.logits(l2_normalize(features), self._text_features)

@@ -17,15 +17,19 @@ from the CoOp code base, all deliberate:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.clip import TextEncoder, load_clip, token_ids, tokenize
+from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
-from engine.trainer import ModelOutput, TrainerX
-from engine.utils import compute_accuracy
 
-from .common import FrozenImageCLIP, l2_normalize, register_class_prompts, setup_prompt_learner
+from .common import (
+    FrozenImageCLIP,
+    PromptTrainer,
+    l2_normalize,
+    register_class_prompts,
+    setup_prompt_learner,
+)
 
 
 def add_coop_config(cfg) -> None:
@@ -38,6 +42,17 @@ def add_coop_config(cfg) -> None:
     cfg.TRAINER.COOP.CTX_INIT = ""  # initialise the context from these words, e.g. "a photo of a"
     cfg.TRAINER.COOP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 context) | amp | bf16
     cfg.TRAINER.COOP.CLASS_TOKEN_POSITION = "end"  # end | middle | front
+
+
+CLASS_TOKEN_POSITIONS = ("end", "middle", "front")
+
+
+def check_class_token_position(position: str, prefix: str = "") -> None:
+    """Raise ConfigError for a CLASS_TOKEN_POSITION that is not end, middle or front."""
+    if position not in CLASS_TOKEN_POSITIONS:
+        raise ConfigError(
+            f"{prefix}CLASS_TOKEN_POSITION must be end, middle or front; got {position!r}"
+        )
 
 
 class PromptLearner(nn.Module):
@@ -62,10 +77,7 @@ class PromptLearner(nn.Module):
         class_token_position: str = "end",
     ):
         super().__init__()
-        if class_token_position not in ("end", "middle", "front"):
-            raise ValueError(
-                f"CLASS_TOKEN_POSITION must be end, middle or front; got {class_token_position!r}"
-            )
+        check_class_token_position(class_token_position)
         n_cls = len(classnames)
         ctx_dim = clip_model.ln_final.weight.shape[0]
         embedding = clip_model.token_embedding
@@ -162,55 +174,14 @@ class CustomCLIP(FrozenImageCLIP):
         return self.logits(self.encode_image(image), self.encode_text())
 
 
-class PromptTrainer(TrainerX):
-    """Shared by text-prompt trainers with a frozen image encoder (CoOp, TCP, ...):
-    image features once per step, text features once per evaluation."""
-
-    def prepare_step(self, batch_inputs):
-        image, label = batch_inputs
-        return self.model.encode_image(image), label
-
-    def compute_loss(self, inputs):
-        image_features, label = inputs
-        logits = self.model.logits(image_features, self.model.encode_text())
-        loss = F.cross_entropy(logits.float(), label)
-        return loss, {"acc": compute_accuracy(logits, label)[0]}
-
-    def before_test(self):
-        self._text_features = self.model.encode_text()
-
-    def after_test(self):
-        self._text_features = None
-
-    def model_outputs(self, image):
-        image_features = self.model.encode_image(image)
-        text_features = self.model.encode_text()
-        return ModelOutput(
-            image_features, text_features, self.model.logits(image_features, text_features)
-        )
-
-    def model_inference(self, image):
-        return self.model.logits(self.model.encode_image(image), self._text_features)
-
-    def frozen_image_encoder(self):
-        return self.model.image_encoder
-
-    def model_inference_features(self, features):
-        return self.model.logits(l2_normalize(features), self._text_features)
-
-
 @TRAINER_REGISTRY.register()
 class CoOp(PromptTrainer):
     """Context Optimization (CoOp)."""
 
     add_config = staticmethod(add_coop_config)
 
-    def check_cfg(self, cfg):
-        pos = cfg.TRAINER.COOP.CLASS_TOKEN_POSITION
-        if pos not in ("end", "middle", "front"):
-            raise ValueError(
-                f"TRAINER.COOP.CLASS_TOKEN_POSITION must be end, middle or front; got {pos!r}"
-            )
+    def check_cfg(self, cfg):  # before CLIP is loaded
+        check_class_token_position(cfg.TRAINER.COOP.CLASS_TOKEN_POSITION, "TRAINER.COOP.")
 
     def build_model(self):
         cfg = self.cfg

@@ -37,8 +37,8 @@ from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.utils import compute_accuracy
 
-from .common import FrozenImageCLIP, l2_normalize, setup_prompt_learner
-from .coop import PromptLearner, PromptTrainer
+from .common import FrozenImageCLIP, PromptTrainer, l2_normalize, setup_prompt_learner
+from .coop import PromptLearner
 from .tcp import kg_loss
 from .zsclip import CUSTOM_TEMPLATES, DEFAULT_TEMPLATE
 
@@ -111,7 +111,7 @@ class KgCoOp(PromptTrainer):
     """Knowledge-guided Context Optimization (KgCoOp): CoOp + W * (1 - mean cos(text, t_clip)).
 
     Image features once per step (frozen encoder, ``prepare_step``), text features once per
-    evaluation (CoOp's :class:`trainers.coop.PromptTrainer`).
+    evaluation (CoOp's :class:`trainers.common.PromptTrainer`).
     """
 
     add_config = staticmethod(add_kgcoop_config)

@@ -57,9 +57,8 @@ from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
-from optim import build_lr_scheduler, build_optimizer
 
-from .common import l2_normalize, load_init_weights
+from .common import clip_logits, l2_normalize, setup_learnable
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +255,7 @@ class MaPLeCLIP(nn.Module):
         return l2_normalize(self.image_features(image, prompts))
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
-        return self.logit_scale.exp() * image_features @ text_features.t().to(image_features.dtype)
+        return clip_logits(self.logit_scale, image_features, text_features)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         prompts = self.prompt_learner()
@@ -296,16 +295,7 @@ class MaPLe(TrainerX):
             )
         model = self.MODEL_CLASS.from_config(self.cfg, self.classnames, clip_model)
         self.model = model.to(self.device)
-        learnable = self.model.learnable
-        self.model.requires_grad_(False)
-        learnable.requires_grad_(True)
-        logger.info(
-            "Parameters to be updated: %s", ", ".join(n for n, _ in learnable.named_parameters())
-        )
-        load_init_weights(learnable, self.cfg.MODEL.INIT_WEIGHTS)
-        self.optim = build_optimizer(self.cfg, learnable)
-        self.sched = build_lr_scheduler(self.optim, self.cfg.OPTIM)
-        self.register_model(self.model_name, learnable, self.optim, self.sched)
+        setup_learnable(self, self.model.learnable, self.model_name)
 
     def compute_loss(self, inputs):
         image, label = inputs
