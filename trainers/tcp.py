@@ -32,8 +32,13 @@ from engine.clip import TextEncoder, encode_texts, load_clip
 from engine.registry import TRAINER_REGISTRY
 from engine.utils import compute_accuracy
 
-from .common import FrozenImageCLIP, l2_normalize, register_class_prompts, setup_prompt_learner
-from .coop import PromptTrainer
+from .common import (
+    FrozenImageCLIP,
+    PromptTrainer,
+    l2_normalize,
+    register_class_prompts,
+    setup_prompt_learner,
+)
 
 logger = logging.getLogger(__name__)
 
