@@ -2,29 +2,130 @@
 
 ``OUTPUT_DIR/<model name>/model.pth.tar-<epoch>`` (and ``model-best.pth.tar``) plus a text file
 ``OUTPUT_DIR/<model name>/checkpoint`` naming the newest file. Each file is
-``{"state_dict", "epoch", "optimizer", "scheduler", "val_result", ...}`` where every value is a
-tensor, number, string or container of those, so it loads with ``torch.load(weights_only=True)``.
-Writes go to a temporary file that is renamed into place.
+``{"state_dict", "epoch", "optimizer", "scheduler", "val_result", "trainer", ...}`` where every
+value is a tensor, number, string or container of those, so it loads with
+``torch.load(weights_only=True)``. Writes go to a temporary file that is renamed into place.
+
+Besides Dassl's files, every epoch that writes no ``model.pth.tar-<E>`` replaces a rolling
+``model-last.pth.tar`` (not named in the ``checkpoint`` pointer, which CoOp/Dassl tools read),
+so a killed run loses at most one epoch; resume takes whichever is newer. It is removed when a
+numbered checkpoint of a later epoch is written (the last epoch always writes one).
+
+No checkpoint with a non-finite tensor is ever written (:class:`FloatingPointError` instead).
+
+Checkpoints of the original code bases (Dassl, CoOp, CoCoOp, MaPLe, CoPrompt, TCP) load too:
+their files pickle a few torch objects (e.g. the ``CosineAnnealingLR`` that Dassl's warmup
+scheduler state holds, with its optimizer) and NumPy scalars, which are allowed by an explicit
+list (:data:`SAFE_GLOBALS`); anything else is refused. Their tensor names are mapped to this
+project's (MaPLe and CoPrompt saved the whole model: ``prompt_learner.*``, CoPrompt's
+``adapter_image.fc.*``), and a checkpoint that does not fit the model is one
+:class:`~engine.errors.CheckpointError` naming the trainer that made it and the missing, extra
+or differently shaped tensors.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import os.path as osp
+import pickle
+import zipfile
 
+import numpy as np
 import torch
 from torch import nn
 
+from .errors import CheckpointError
 from .utils import atomic_torch_save, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
+ROLLING_NAME = "model-last.pth.tar"  # the per-epoch checkpoint (not in Dassl's layout)
 
-def save_checkpoint(state: dict, save_dir: str, is_best: bool = False, fname: str = "") -> str:
+
+def _plain_defaultdict(default_factory=None, *args):
+    """Stands in for ``collections.defaultdict`` when loading (optimizer ``state`` in pickled
+    optimizers): a plain dict, which the weights-only unpickler may fill."""
+    return {}
+
+
+def _safe_globals() -> list:
+    sched = torch.optim.lr_scheduler
+    numpy_core = getattr(np, "_core", None) or np.core
+    multiarray = numpy_core.multiarray
+    return [
+        # LR schedulers and optimizers that Dassl's checkpoints pickle (the warmup scheduler's
+        # successor, which holds its optimizer)
+        sched.CosineAnnealingLR,
+        sched.StepLR,
+        sched.MultiStepLR,
+        sched.ExponentialLR,
+        sched.LinearLR,
+        sched.ConstantLR,
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.RMSprop,
+        torch.optim.RAdam,
+        (_plain_defaultdict, "collections.defaultdict"),
+        collections.Counter,  # MultiStepLR.milestones
+        dict,
+        # NumPy scalars and arrays (e.g. val_result), under NumPy 1 and 2 module names
+        (multiarray.scalar, "numpy.core.multiarray.scalar"),
+        (multiarray.scalar, "numpy._core.multiarray.scalar"),
+        (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+        np.dtype,
+        np.ndarray,
+        *(type(np.dtype(t)) for t in (np.float64, np.float32, np.float16, np.int64, np.int32)),
+        type(np.dtype(np.bool_)),
+    ]
+
+
+SAFE_GLOBALS = _safe_globals()
+
+
+def _check_finite(state: dict, fpath: str) -> None:
+    """Raise FloatingPointError if any floating tensor in ``state`` has a NaN/inf (one sync)."""
+    named: list[tuple[str, torch.Tensor]] = []
+
+    def walk(prefix, obj):
+        if isinstance(obj, torch.Tensor):
+            if obj.is_floating_point() or obj.is_complex():
+                named.append((prefix, obj))
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}[{i}]", v)
+        elif isinstance(obj, float) and not np.isfinite(obj):
+            named.append((prefix, torch.tensor(obj)))
+
+    walk("", state)
+    if not named:
+        return
+    flags = torch.stack([torch.isfinite(t).all().cpu() for _, t in named])
+    if bool(flags.all()):
+        return
+    bad = [name for (name, _), ok in zip(named, flags.tolist()) if not ok]
+    raise FloatingPointError(
+        f"Refusing to write checkpoint {fpath}: non-finite (NaN/inf) values in {bad[:8]}"
+        f"{' ...' if len(bad) > 8 else ''}. The run diverged; the last checkpoint in the folder "
+        "is the last finite one. Try a lower OPTIM.LR, or PREC fp32/amp instead of fp16."
+    )
+
+
+def save_checkpoint(
+    state: dict, save_dir: str, is_best: bool = False, fname: str = "", pointer: bool = True
+) -> str:
     """Save ``state`` as ``model.pth.tar-<epoch>`` (or ``model-best.pth.tar``, or ``fname``).
 
     Returns the path written in ``save_dir``. The ``checkpoint`` pointer file is updated after
-    the checkpoint itself is complete, so a crash never leaves a pointer to a partial file.
+    the checkpoint itself is complete (unless ``pointer`` is False or ``is_best``), so a crash
+    never leaves a pointer to a partial file. Raises FloatingPointError (writing nothing) when a
+    tensor is not finite.
     """
     state = dict(state)
     state["state_dict"] = {
@@ -33,24 +134,61 @@ def save_checkpoint(state: dict, save_dir: str, is_best: bool = False, fname: st
     if not fname:
         fname = "model-best.pth.tar" if is_best else f"model.pth.tar-{state['epoch']}"
     fpath = osp.join(save_dir, fname)
+    _check_finite(state, fpath)
     atomic_torch_save(state, fpath)
-    if not is_best:
+    if pointer and not is_best:
         atomic_write_text(osp.join(osp.dirname(fpath), "checkpoint"), fname + "\n")
     logger.info("Checkpoint saved to %s", fpath)
     return fpath
 
 
-def load_checkpoint(fpath: str, map_location="cpu") -> dict:
-    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``)."""
-    if not osp.exists(fpath):
-        raise FileNotFoundError(f"Checkpoint not found: {fpath}")
+def _refused_globals(fpath: str) -> list[str]:
     try:
-        return torch.load(fpath, map_location=map_location, weights_only=True)
-    except Exception as e:
-        raise RuntimeError(
-            f"Cannot load checkpoint {fpath} with weights_only=True ({e}). Checkpoints of this "
-            "project hold plain state dicts only; files from other code bases may pickle objects."
-        ) from e
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(fpath)
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+    allowed = set()
+    for g in SAFE_GLOBALS:
+        if isinstance(g, tuple):
+            allowed.add(g[1])
+        else:
+            allowed.add(f"{g.__module__}.{g.__qualname__}")
+    return [name for name in found if name not in allowed and name != "builtins.dict"]
+
+
+def load_checkpoint(fpath: str, map_location="cpu") -> dict:
+    """Load a checkpoint of this project or of the original code bases, weights only.
+
+    Only tensors, plain containers and the classes in :data:`SAFE_GLOBALS` are unpickled;
+    anything else (arbitrary code) raises :class:`CheckpointError`, as does a file that is not a
+    checkpoint (truncated, another format).
+    """
+    if not osp.exists(fpath):
+        raise CheckpointError(f"Checkpoint not found: {fpath}")
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            checkpoint = torch.load(fpath, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        refused = _refused_globals(fpath)
+        what = f" ({', '.join(refused)})" if refused else ""
+        raise CheckpointError(
+            f"Refused to load checkpoint {fpath}: it pickles Python objects{what} outside the "
+            "classes that checkpoints of this project and of Dassl/CoOp/CoCoOp/MaPLe/CoPrompt/"
+            "TCP contain, and unpickling them could run arbitrary code. Use a checkpoint from a "
+            "trusted run of one of those code bases (a state dict of tensors)."
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
+        raise CheckpointError(
+            f"Cannot read checkpoint {fpath}: it is truncated or not a PyTorch checkpoint "
+            f"({str(e).splitlines()[0][:200]}). Delete it (a re-run resumes from the previous "
+            "checkpoint) or point --model-dir to another run."
+        ) from None
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"Checkpoint {fpath} holds a {type(checkpoint).__name__}, not a dict of tensors "
+            "(a Dassl-style checkpoint or a state dict)"
+        )
+    return checkpoint
 
 
 def latest_checkpoint(model_dir: str) -> str | None:
@@ -64,6 +202,57 @@ def latest_checkpoint(model_dir: str) -> str | None:
     return path if osp.isfile(path) else None
 
 
+# -- tensors of the original code bases -----------------------------------------------------------
+# buffers and frozen parts that original checkpoints hold and this project rebuilds
+_IGNORED_SUFFIXES = ("token_prefix", "token_suffix", "tokenized_prompts")
+_IGNORED_PREFIXES = ("image_encoder.", "text_encoder.", "model_distill.", "logit_scale")
+# renames of tensors of the original code bases (prefix -> prefix)
+_RENAMES = (("adapter_image.fc.", "image_adapter."), ("adapter_text.fc.", "text_adapter."))
+
+
+def _ignorable(key: str) -> bool:
+    return key.endswith(_IGNORED_SUFFIXES) or key.startswith(_IGNORED_PREFIXES)
+
+
+def _candidates(state_dict: dict) -> list[dict]:
+    """The checkpoint's tensors under the names this project may use: as saved; with the
+    original code bases' renames; without MaPLe/CoPrompt's whole-model ``prompt_learner.``."""
+    plain = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
+    renamed = {}
+    for k, v in plain.items():
+        for old, new in _RENAMES:
+            if k.startswith(old):
+                k = new + k[len(old) :]
+        renamed[k] = v
+    stripped = {
+        k[len("prompt_learner.") :]: v for k, v in plain.items() if k.startswith("prompt_learner.")
+    }
+    return [plain, renamed, stripped]
+
+
+def infer_trainer(checkpoint: dict, path: str) -> tuple[str, str]:
+    """(trainer name, how it is known) of the code that wrote ``checkpoint``."""
+    if checkpoint.get("trainer"):
+        return str(checkpoint["trainer"]), "stored in the checkpoint"
+    sd = checkpoint["state_dict"]
+    keys = list(sd)
+    folder = osp.basename(osp.dirname(osp.abspath(path)))
+    how = "inferred from its folder and tensor names"
+    if any("adapter" in k for k in keys):
+        return "CoPrompt", how
+    if folder == "MultiModalPromptLearner" or any("compound_prompt" in k for k in keys):
+        return "MaPLe", how
+    if any(k.startswith("meta_net.") for k in keys):
+        out = sd.get("meta_net.linear2.weight")
+        ctx = sd.get("ctx")
+        if out is not None and ctx is not None and out.shape[0] == ctx.shape[-1]:
+            return "CoCoOp", how
+        return "TCP", how
+    if "ctx" in keys:
+        return "CoOp", how
+    return "an unknown trainer", how
+
+
 class CheckpointMixin:
     """The trainer's checkpoint I/O: save, resume and load every registered model.
 
@@ -73,17 +262,43 @@ class CheckpointMixin:
 
     _models: dict[str, nn.Module]
 
+    def trainer_name(self) -> str:
+        """The registered name of this trainer (stored in checkpoints)."""
+        cfg = getattr(self, "cfg", None)
+        return cfg.TRAINER.NAME if cfg is not None and cfg.TRAINER.NAME else type(self).__name__
+
+    def _model_state(self, name: str, epoch: int, val_result=None) -> dict:
+        state = {
+            "state_dict": self._models[name].state_dict(),
+            "epoch": epoch + 1,
+            "optimizer": self._optims[name].state_dict() if self._optims[name] else None,
+            "scheduler": self._scheds[name].state_dict() if self._scheds[name] else None,
+            "val_result": val_result,
+            "trainer": self.trainer_name(),
+        }
+        state.update(self.extra_checkpoint_state())
+        return state
+
     def save_model(self, epoch: int, directory: str, is_best=False, val_result=None, model_name=""):
+        """Dassl's save: ``model.pth.tar-<epoch+1>`` (or model-best / ``model_name``) per model,
+        then drop a rolling checkpoint that is now older."""
         for name in self.get_model_names():
-            state = {
-                "state_dict": self._models[name].state_dict(),
-                "epoch": epoch + 1,
-                "optimizer": self._optims[name].state_dict() if self._optims[name] else None,
-                "scheduler": self._scheds[name].state_dict() if self._scheds[name] else None,
-                "val_result": val_result,
-            }
-            state.update(self.extra_checkpoint_state())
+            state = self._model_state(name, epoch, val_result)
             save_checkpoint(state, osp.join(directory, name), is_best=is_best, fname=model_name)
+        if not is_best and not model_name:
+            self.remove_rolling_checkpoint(directory)
+
+    def save_rolling_checkpoint(self, epoch: int, directory: str) -> None:
+        """Replace ``<model>/model-last.pth.tar`` (the newest epoch; not in the pointer file)."""
+        for name in self.get_model_names():
+            state = self._model_state(name, epoch)
+            save_checkpoint(state, osp.join(directory, name), fname=ROLLING_NAME, pointer=False)
+
+    def remove_rolling_checkpoint(self, directory: str) -> None:
+        for name in self.get_model_names():
+            path = osp.join(directory, name, ROLLING_NAME)
+            if osp.isfile(path):
+                os.remove(path)
 
     def extra_checkpoint_state(self) -> dict:
         """More plain state for checkpoints (default: the optimizer step's, e.g. GradScaler)."""
@@ -95,26 +310,44 @@ class CheckpointMixin:
         if step is not None:
             step.load_state_dict(checkpoint)
 
+    def _newest_checkpoint(self, model_dir: str) -> tuple[str, dict] | None:
+        """(path, checkpoint) of the newer of the pointer's file and the rolling one."""
+        found = []
+        for path in (latest_checkpoint(model_dir), osp.join(model_dir, ROLLING_NAME)):
+            if path is not None and osp.isfile(path):
+                found.append((path, load_checkpoint(path, map_location=self.device)))
+        if not found:
+            return None
+        return max(found, key=lambda pc: int(pc[1].get("epoch", 0)))
+
     def resume_model_if_exist(self, directory: str) -> int:
         """Load the newest checkpoint of every registered model from ``directory``.
 
-        Returns the epoch to start from (0 when there is nothing to resume).
+        The newest is the file named in ``<model>/checkpoint`` or the rolling
+        ``<model>/model-last.pth.tar``, whichever holds the later epoch. Returns the epoch to
+        start from (0 when there is nothing to resume).
         """
         names = self.get_model_names()
-        paths = {name: latest_checkpoint(osp.join(directory, name)) for name in names}
-        if any(p is None for p in paths.values()):
+        found = {name: self._newest_checkpoint(osp.join(directory, name)) for name in names}
+        if any(f is None for f in found.values()):
             return 0
         start_epoch = 0
-        for name, path in paths.items():
+        for name, (path, checkpoint) in found.items():
             logger.info("Loading checkpoint from %s", path)
-            checkpoint = load_checkpoint(path, map_location=self.device)
-            self._load_module_state(name, checkpoint["state_dict"], path)
-            if self._optims[name] is not None and checkpoint.get("optimizer") is not None:
-                self._optims[name].load_state_dict(checkpoint["optimizer"])
-            if self._scheds[name] is not None and checkpoint.get("scheduler") is not None:
-                self._scheds[name].load_state_dict(checkpoint["scheduler"])
-            self.load_extra_checkpoint_state(checkpoint)
-            start_epoch = checkpoint["epoch"]
+            self._load_module_state(name, checkpoint, path)
+            if checkpoint.get("trainer") is None:  # another code base: its own state formats
+                logger.warning(
+                    "%s was not written by this project: its optimizer and LR-scheduler state "
+                    "are not restored",
+                    path,
+                )
+            else:
+                if self._optims[name] is not None and checkpoint.get("optimizer") is not None:
+                    self._optims[name].load_state_dict(checkpoint["optimizer"])
+                if self._scheds[name] is not None and checkpoint.get("scheduler") is not None:
+                    self._scheds[name].load_state_dict(checkpoint["scheduler"])
+                self.load_extra_checkpoint_state(checkpoint)
+            start_epoch = int(checkpoint["epoch"])
         logger.info("Previous epoch: %d", start_epoch)
         return start_epoch
 
@@ -127,14 +360,17 @@ class CheckpointMixin:
         for name in self.get_model_names():
             path = osp.join(directory, name, fname)
             if not osp.exists(path):
-                raise FileNotFoundError(
-                    f"Model not found at {path}: check --model-dir and --load-epoch "
-                    f"(the training run saves model.pth.tar-<MAX_EPOCH>)"
+                there = sorted(os.listdir(directory)) if osp.isdir(directory) else None
+                raise CheckpointError(
+                    f"Model not found at {path}: check --model-dir and --load-epoch (the "
+                    "training run saves model.pth.tar-<MAX_EPOCH>; without --load-epoch "
+                    "model-best.pth.tar is loaded)"
+                    + (f"; {directory} holds {there}" if there is not None else "")
                 )
             checkpoint = load_checkpoint(path, map_location=self.device)
-            self._load_module_state(name, checkpoint["state_dict"], path)
+            self._load_module_state(name, checkpoint, path)
             val = checkpoint.get("val_result")
-            suffix = f" (val result: {val:.1f})" if isinstance(val, (int, float)) else ""
+            suffix = f" (val result: {float(val):.1f})" if isinstance(val, (int, float)) else ""
             logger.info(
                 'Loading weights to %s from "%s" (epoch = %s)%s',
                 name,
@@ -143,25 +379,52 @@ class CheckpointMixin:
                 suffix,
             )
 
-    def _load_module_state(self, name: str, state_dict: dict, path: str) -> None:
-        """Strict on learnable tensors; ignores extra keys (e.g. the class-dependent
-        token_prefix/token_suffix buffers that CoOp-code-base checkpoints contain)."""
+    def _load_module_state(self, name: str, checkpoint: dict, path: str) -> None:
+        """Load the checkpoint's tensors into model ``name``, mapping the original code bases'
+        names; the class-dependent buffers (token_prefix/token_suffix) and frozen CLIP weights
+        that their files contain are ignored. Anything else that does not fit raises one
+        CheckpointError naming the trainer that made the checkpoint."""
         module = self._models[name]
         own = module.state_dict()
-        missing = [k for k in own if k not in state_dict]
-        if missing:
-            raise KeyError(f"Checkpoint {path} lacks {missing} for model '{name}'")
-        for k, v in own.items():
-            if state_dict[k].shape != v.shape:
-                raise ValueError(
-                    f"Checkpoint {path}: '{k}' has shape {tuple(state_dict[k].shape)} but the "
-                    f"model expects {tuple(v.shape)}. Class-specific parameters (e.g. CoOp's "
-                    "CSC context) cannot be loaded for a different set of classes."
-                )
-        ignored = sorted(set(state_dict) - set(own))
+        if "state_dict" not in checkpoint:  # a bare state dict (older callers)
+            checkpoint = {"state_dict": checkpoint}
+        best, best_score = None, None
+        for cand in _candidates(checkpoint["state_dict"]):
+            missing = [k for k in own if k not in cand]
+            extra = [k for k in cand if k not in own and not _ignorable(k)]
+            shapes = [
+                f"{k}: checkpoint {tuple(cand[k].shape)}, model {tuple(v.shape)}"
+                for k, v in own.items()
+                if k in cand and tuple(cand[k].shape) != tuple(v.shape)
+            ]
+            score = len(missing) + len(extra) + len(shapes)
+            if best_score is None or score < best_score:
+                best, best_score = (cand, missing, extra, shapes), score
+        cand, missing, extra, shapes = best
+        made_by, how = infer_trainer(checkpoint, path)
+        this = self.trainer_name()
+        if missing or extra or shapes:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors {missing}")
+            if extra:
+                parts.append(f"unexpected tensors {extra}")
+            if shapes:
+                parts.append("different shapes (" + "; ".join(shapes) + ")")
+            raise CheckpointError(
+                f"Checkpoint {path} was made by {made_by} ({how}) and does not fit this {this} "
+                f"model '{name}': {', '.join(parts)}. Evaluate it with the trainer and the "
+                f"TRAINER.* settings (N_CTX, PROMPT_DEPTH, CSC, ...) of the run that made it "
+                f"(--trainer {made_by.split()[-1]} and its config files), or give a checkpoint "
+                f"of a {this} run with these settings."
+            )
+        if made_by != this and checkpoint.get("trainer"):
+            logger.warning("%s was made by %s, loaded into %s", path, made_by, this)
+        ignored = sorted(k for k in cand if k not in own)
         if ignored:
-            logger.info("Ignoring checkpoint keys not used by '%s': %s", name, ignored)
-        module.load_state_dict({k: state_dict[k] for k in own}, strict=True)
+            shown = ignored if len(ignored) <= 6 else [*ignored[:6], f"... ({len(ignored)} in all)"]
+            logger.info("Ignoring checkpoint keys not used by '%s': %s", name, shown)
+        module.load_state_dict({k: cand[k] for k in own}, strict=True)
         self.after_load_state(name)
 
     def after_load_state(self, name: str) -> None:

@@ -3,7 +3,9 @@
 ``train.py`` is a thin entry point over this module (it first imports the packages that register
 the trainers and datasets); tools build configs with :func:`setup_cfg` from here, never from
 ``train.py``. Config merge order (as in CoOp): defaults, trainer keys, --dataset-config-file,
---config-file, --optim-config-file, the flags, then the trailing KEY VALUE options.
+--config-file, --optim-config-file, the flags, then the trailing KEY VALUE options; then the
+reproduction mode's overlay (``--repro``/``REPRODUCTION``, :mod:`engine.repro`), after which the
+KEY VALUE options are merged again so that they win.
 """
 
 from __future__ import annotations
@@ -81,6 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-train", action="store_true", help="build everything, do not train")
     parser.add_argument(
+        "--repro",
+        choices=("paper", "released"),
+        default="",
+        help="reproduction mode (REPRODUCTION): paper (default) or released, an emulation of the "
+        "SAMPLe authors' released code (configs/repro/; README, 'What reproduces what')",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in --output-dir: move its previous content (checkpoints, logs) to "
+        "<output-dir>.old-<time> first. Without it, a re-run resumes the folder's run",
+    )
+    parser.add_argument(
+        "--force-resume",
+        action="store_true",
+        help="resume the run in --output-dir although its experiment config differs from this "
+        "one (see experiment.json) or it diverged (diverged.json): it continues from its last "
+        "(finite) checkpoint with the new values",
+    )
+    parser.add_argument(
         "opts", default=None, nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ..."
     )
     return parser
@@ -111,9 +133,11 @@ def reset_cfg(cfg, args) -> None:
 
 
 def setup_cfg(args):
-    """defaults -> trainer keys -> dataset config -> trainer config -> flags -> opts."""
+    """defaults -> trainer keys -> dataset config -> trainer config -> optim config -> flags ->
+    opts -> the reproduction mode's overlay (engine/repro.py) -> opts again (they win)."""
     from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
     from .registry import TRAINER_REGISTRY
+    from .repro import apply_reproduction
 
     if not len(TRAINER_REGISTRY):
         raise RuntimeError(
@@ -137,21 +161,51 @@ def setup_cfg(args):
             f"Flag {flags[0]} comes after the KEY VALUE options; put all --flags before them"
         )
     merge_from_list(cfg, opts)
+    apply_reproduction(cfg, getattr(args, "repro", ""), opts)  # the mode's overlay; opts win
     cfg.freeze()
     return cfg
 
 
 def main(args) -> int:
+    """Run train.py's command: take the output folder (lock, experiment check), then train or
+    evaluate."""
+    from .run_folder import RunFolder
+    from .validate import validate_cfg
+
+    cfg = setup_cfg(args)
+    validate_cfg(cfg)  # before the output folder is touched
+    folder = RunFolder(cfg.OUTPUT_DIR)
+    folder.acquire()  # one process per folder, for the run's life
+    try:
+        return _run_in_folder(args, cfg, folder)
+    finally:
+        folder.release()
+
+
+def _run_in_folder(args, cfg, folder) -> int:
     import os.path as osp
 
     from . import build_trainer
     from .config import dump_cfg
+    from .run_folder import experiment_config
     from .utils import collect_env_info, set_random_seed, setup_logger
 
-    cfg = setup_cfg(args)
+    force = getattr(args, "force_resume", False)
+    moved = folder.move_aside() if getattr(args, "overwrite", False) else None
+    run = {"EVAL_ONLY": bool(args.eval_only)}
+    if args.eval_only:
+        run["MODEL_DIR"] = osp.abspath(args.model_dir) if args.model_dir else ""
+        run["LOAD_EPOCH"] = args.load_epoch
+    experiment = experiment_config(cfg, run)
+    folder.check_experiment(experiment, force=force)  # before config.yaml is rewritten
+    if not args.eval_only:
+        folder.check_divergence(force=force)
+    folder.remove_orphans()
     if cfg.SEED >= 0:
         set_random_seed(cfg.SEED)
     setup_logger(cfg.OUTPUT_DIR)
+    if moved:
+        logger.warning("--overwrite: the previous content of %s is now in %s", folder.path, moved)
     dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))
     logger.info("***************\n** Arguments **\n***************")
     for key in sorted(vars(args)):
@@ -160,6 +214,7 @@ def main(args) -> int:
     logger.info("Collecting env info ...\n** System info **\n%s\n", collect_env_info())
 
     trainer = build_trainer(cfg)
+    folder.record_experiment(experiment)  # a config that builds: this folder's experiment
     if args.eval_only:
         trainer.load_model(args.model_dir, epoch=args.load_epoch)
         trainer.test()

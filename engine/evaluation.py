@@ -63,6 +63,7 @@ class EvaluationMixin:
             split, loader = "test", self.test_loader
         logger.info("Evaluate on the *%s* set", split)
         encoder = self.frozen_image_encoder()
+        nonfinite = []  # per batch: number of images with a non-finite logit (0-d tensors)
         self.before_test()
         try:
             if encoder is not None:
@@ -73,20 +74,36 @@ class EvaluationMixin:
                         mark_step()
                     with self.autocast():
                         output = self.model_inference_features(features[i : i + step])
+                    nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), labels[i : i + step])
             else:
                 for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
                     input, label = self.parse_batch_test(batch)
                     with self.autocast():
                         output = self.model_inference(input)
+                    nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), label)
         finally:
             self.after_test()
+        self._check_finite_logits(nonfinite, split)
         results = self.evaluator.evaluate()
         for k, v in results.items():
             self.write_scalar(f"{split}/{k}", v, self.epoch)
         self.flush_scalars()
         return list(results.values())[0]
+
+    def _check_finite_logits(self, nonfinite: list, split: str) -> None:
+        """Refuse to report an accuracy computed from NaN/inf logits (one host sync)."""
+        if not nonfinite:
+            return
+        bad = int(torch.stack(nonfinite).sum())
+        if bad:
+            raise FloatingPointError(
+                f"Evaluation on the {split} set gave non-finite (NaN/inf) logits for {bad} "
+                "image(s), so no accuracy is reported: the model's weights are not finite (a "
+                "diverged run or a damaged checkpoint) or the precision overflows (try "
+                "PREC fp32). Evaluate a checkpoint from before the divergence (--load-epoch)."
+            )
 
     def _eval_features(self, encoder: nn.Module, loader, split: str):
         """Raw features of the evaluation images: from the disk cache or computed (and cached)."""

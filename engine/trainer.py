@@ -10,7 +10,8 @@ The engine runs (b) and hands the loss, with a function that re-runs (b), to the
 step object (:class:`optim.step.OptimizerStep`, built from ``OPTIM``), which owns backward,
 precision scaling, sharpness-aware second passes and staging. So trainers contain no
 optimizer-specific code. The engine detects NaN/inf losses (raising with epoch, batch and loss
-terms), writes per-step diagnostics and steps the LR scheduler once per epoch.
+terms), writes per-step diagnostics and steps the LR scheduler once per epoch (and, with
+``OPTIM.LR_STEP_PER_BATCH``, after every batch of the sharpness-aware stage too).
 
 The other concerns live next to this file: checkpoint I/O (:mod:`engine.checkpoint`), scalar
 writers (:mod:`engine.writers`), evaluation and the feature cache (:mod:`engine.evaluation`);
@@ -28,11 +29,13 @@ import os.path as osp
 import time
 from collections import OrderedDict
 from contextlib import nullcontext
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from optim.staging import total_epochs
 from optim.step import build_step
 
 from .checkpoint import CheckpointMixin
@@ -42,7 +45,9 @@ from .errors import ConfigError
 from .evaluation import EvaluationMixin, compute_dtype
 from .evaluator import build_evaluator
 from .registry import TRAINER_REGISTRY
+from .run_folder import clear_divergence, write_divergence
 from .utils import AverageMeter, MetricMeter, epoch_seed, set_random_seed
+from .validate import validate_cfg
 from .writers import ScalarWriter
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,15 @@ _DASSL_STEP_HINT = (
     "gradients) and compute_loss(inputs) (the loss) in the trainer, and the engine's "
     "forward_backward runs backward, the optimizer (sharpness-aware or not), AMP and staging"
 )
+
+
+def _scalar_row_before(row: dict, start_iter: int, start_epoch: int) -> bool:
+    """Whether a ``scalars.jsonl`` row precedes a resume at ``start_epoch`` (training rows are
+    indexed by iteration, evaluation rows by epoch)."""
+    step = row.get("step", 0)
+    if any(k.startswith("train/") for k in row):
+        return step < start_iter
+    return step < start_epoch
 
 
 class ModelOutput(NamedTuple):
@@ -75,6 +89,7 @@ class TrainerBase(CheckpointMixin):
     """Registered models/optimizers/schedulers, checkpoints, scalar writers and the epoch loop."""
 
     CONFIG_NODE: str | None = None  # TRAINER.<node> of this trainer; default: registry name
+    EVAL_ONLY = False  # True: nothing to train (zero-shot CLIP); grids and tests skip training
 
     @classmethod
     def add_config(cls, cfg) -> None:
@@ -182,8 +197,14 @@ class TrainerBase(CheckpointMixin):
                 self.run_epoch()
                 self.after_epoch()
             self.after_train()
+        except FloatingPointError as e:
+            self.on_divergence(e)
+            raise
         finally:
             self.close_writer()
+
+    def on_divergence(self, error: FloatingPointError) -> None:
+        """Called when training diverged (NaN/inf), before the error propagates."""
 
     def before_train(self):
         pass
@@ -251,6 +272,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
 
     def __init__(self, cfg, classnames: list[str] | None = None):
         super().__init__()
+        validate_cfg(cfg)  # OPTIM/TRAIN/TEST values, before anything is built
         self.check_cfg(cfg)
         if torch.cuda.is_available() and cfg.USE_CUDA:
             self.device = torch.device("cuda")
@@ -260,7 +282,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         else:
             self.device = torch.device("cpu")
         self.start_epoch = self.epoch = 0
-        self.max_epoch = cfg.OPTIM.MAX_EPOCH
+        self.max_epoch = total_epochs(cfg.OPTIM)  # MAX_EPOCH + OPTIM.SAM.STAGE2_EPOCHS
         self.output_dir = cfg.OUTPUT_DIR
         self.cfg = cfg
         self.prec = self._precision(cfg)
@@ -361,7 +383,11 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         dm = getattr(self, "dm", None)
         if dm is not None and self.start_epoch < self.max_epoch:
             dm.cache_training_images()
-        self.init_writer(osp.join(self.output_dir, "tensorboard"))
+        keep = None
+        if self.start_epoch > 0:  # resumed: the steps from here on are written again
+            start_iter = self.start_epoch * len(self.train_loader_x)
+            keep = partial(_scalar_row_before, start_iter=start_iter, start_epoch=self.start_epoch)
+        self.writer.open(self.output_dir, osp.join(self.output_dir, "tensorboard"), keep=keep)
         self.time_start = time.time()
 
     def after_train(self):
@@ -374,8 +400,19 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             else:
                 logger.info("Deploy the last-epoch model")
             self.test()
+        clear_divergence(self.output_dir)  # finished: a diverged-and-resumed run recovered
         elapsed = str(datetime.timedelta(seconds=round(time.time() - self.time_start)))
         logger.info("Elapsed: %s", elapsed)
+
+    def on_divergence(self, error: FloatingPointError) -> None:
+        """Write ``diverged.json`` (epoch, batch, message): a re-run into this folder then
+        refuses to resume past the divergence unless asked (train.py --force-resume)."""
+        write_divergence(
+            self.output_dir,
+            epoch=self.epoch + 1,
+            batch=getattr(self, "batch_idx", -1) + 1,
+            message=str(error),
+        )
 
     def before_epoch(self):
         if self.cfg.SEED >= 0:  # every epoch starts from a seed of its own: exact resume
@@ -396,7 +433,9 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
                 self.best_result = curr_result
                 self.save_model(self.epoch, self.output_dir, val_result=curr_result, is_best=True)
         if meet_checkpoint_freq or last_epoch:
-            self.save_model(self.epoch, self.output_dir)
+            self.save_model(self.epoch, self.output_dir)  # also drops an older rolling one
+        else:  # a kill loses at most this epoch (TRAIN.CHECKPOINT_FREQ keeps Dassl's meaning)
+            self.save_rolling_checkpoint(self.epoch, self.output_dir)
 
     # -- evaluation: engine.evaluation.EvaluationMixin -----------------------------------------
 
@@ -455,12 +494,32 @@ class TrainerX(SimpleTrainer):
         return out
 
     def _check_finite(self) -> None:
-        """Raise on the first non-finite loss since the last check (one host sync)."""
+        """Raise FloatingPointError on the first non-finite loss since the last check, or on a
+        non-finite learnable parameter after the last step (one host sync for both)."""
         if not self._checks:
             return
         losses = torch.stack([c[2].float().reshape(()) for c in self._checks])
         bad = ~torch.isfinite(losses)
-        if bool(bad.any()):
+        params = [
+            (f"{name}.{pname}", p)
+            for name in self.get_model_names()
+            for pname, p in self._models[name].named_parameters()
+            if p.requires_grad
+        ]
+        finite = [torch.isfinite(p.detach()).all().to(bad.device) for _, p in params]
+        params_ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
+        flags = torch.cat([bad.any().reshape(1), (~params_ok).reshape(1).to(bad.device)]).tolist()
+        if flags[1] and not flags[0]:
+            epoch, batch_idx, value, _ = self._checks[-1]
+            names = [n for (n, _), ok in zip(params, torch.stack(finite).tolist()) if not ok]
+            self._checks.clear()
+            raise FloatingPointError(
+                f"Parameters became infinite or NaN at epoch {epoch + 1}/{self.max_epoch}, "
+                f"batch {batch_idx + 1}/{self.num_batches} (the loss was still finite: "
+                f"{float(value)}): {names[:8]}. Try a lower OPTIM.LR, PREC fp32/amp instead of "
+                "fp16, or a larger ADAM_EPS."
+            )
+        if flags[0]:
             i = int(bad.nonzero()[0])
             epoch, batch_idx, value, summary = self._checks[i]
             terms = {k: float(v) for k, v in summary.items()}
@@ -505,6 +564,8 @@ class TrainerX(SimpleTrainer):
                     f"lr {self.get_current_lr():.4e} "
                     f"eta {eta}"
                 )
+            if self.optim_step.lr_step_per_batch(self.epoch):
+                self.update_lr()  # the released SAMPLe trainers' per-batch step (besides below)
             end = time.time()
         self._check_finite()
         self.flush_scalars()

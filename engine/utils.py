@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import io
 import json
 import logging
 import os
 import os.path as osp
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -16,6 +19,8 @@ from collections import defaultdict
 
 import numpy as np
 import torch
+
+from .errors import OutputError
 
 logger = logging.getLogger("engine")
 
@@ -44,39 +49,115 @@ def _read_umask() -> int:
 _UMASK = _read_umask()  # read once: os.umask can only be read by setting it
 
 
-def _atomic_write(path: str, write_fn, mode: str) -> None:
-    """Write through a temporary file in the same folder, then rename over ``path``.
+# errors of a write that the user fixes (space, permissions, a file where a folder should be)
+OUTPUT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+)
+TMP_SUFFIX = ".tmp"  # atomic writes go to ".<name>.<random>.tmp" in the target folder
+
+
+class OutputWriteError(OutputError, OSError):
+    """A write that failed for want of space or permission, as one clear message.
+
+    Still an :class:`OSError` with the original ``errno`` (callers that fall back to another
+    folder on ``OSError``, e.g. the dataset caches, keep working).
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def output_error(e: OSError, path: str, nbytes: int | None = None) -> OSError:
+    """``e`` as an :class:`OutputWriteError` naming the folder (and, for a full disk, the bytes
+    needed); other OSErrors are returned unchanged."""
+    if isinstance(e, OutputWriteError) or e.errno not in OUTPUT_ERRNOS:
+        return e
+    folder = osp.dirname(osp.abspath(path))
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"{shutil.disk_usage(folder).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        needed = f"{nbytes:,} bytes needed" if nbytes is not None else "size unknown"
+        msg = (
+            f"Cannot write {path}: no space left on the device of {folder} ({needed}, {free}). "
+            "Free some space (or the quota) or write to another folder (--output-dir); files "
+            "written before are intact and a re-run resumes from the last checkpoint."
+        )
+    elif e.errno == errno.ENOTDIR:
+        msg = (
+            f"Cannot write {path}: a part of the folder {folder} is a file, not a folder. "
+            "Choose another output folder (--output-dir)."
+        )
+    else:
+        msg = (
+            f"Cannot write {path}: the folder {folder} is not writable ({os.strerror(e.errno)}"
+            "; e.g. a read-only file system or missing permission). Make it writable or write "
+            "to another folder (--output-dir)."
+        )
+    return OutputWriteError(e.errno, msg, path)
+
+
+def _atomic_write(path: str, data: bytes | str, mode: str) -> None:
+    """Write ``data`` through a temporary file in the same folder, then rename over ``path``.
 
     The file gets the mode a plain ``open(path, "w")`` would give (0666 minus the umask), not
-    the 0600 of the temporary file, so files in shared dataset folders stay readable.
+    the 0600 of the temporary file, so files in shared dataset folders stay readable. A full
+    disk or a read-only folder raises :class:`OutputWriteError` (an OSError) naming the folder
+    and the bytes needed; the temporary file is removed, so nothing half-written is left.
     """
     directory = osp.dirname(osp.abspath(path))
-    mkdir_if_missing(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f".{osp.basename(path)}.", suffix=".tmp", dir=directory)
+    tmp = None
     try:
+        mkdir_if_missing(directory)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{osp.basename(path)}.", suffix=TMP_SUFFIX, dir=directory
+        )
         with os.fdopen(fd, mode) as f:
-            write_fn(f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
-    except BaseException:
-        if osp.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and osp.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            nbytes = len(data.encode() if isinstance(data, str) else data)
+            raise output_error(e, path, nbytes) from e
         raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    _atomic_write(path, lambda f: f.write(text), "w")
+    _atomic_write(path, text, "w")
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    _atomic_write(path, lambda f: f.write(data), "wb")
+    _atomic_write(path, data, "wb")
 
 
 def atomic_torch_save(obj, path: str) -> None:
     """``torch.save`` that never leaves a half-written file behind."""
-    _atomic_write(path, lambda f: torch.save(obj, f), "wb")
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # serialised first: the size is known if the disk is full
+    _atomic_write(path, buffer.getbuffer(), "wb")
+
+
+def remove_orphan_tmp_files(folder: str) -> list[str]:
+    """Delete the temporary files that crashed atomic writes left under ``folder``.
+
+    Only call this while no other process writes there (the run holds the folder's lock).
+    Returns the removed paths.
+    """
+    removed = []
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            if name.startswith(".") and name.endswith(TMP_SUFFIX) and name.count(".") >= 3:
+                path = osp.join(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                    removed.append(path)
+    return removed
 
 
 def read_json(fpath: str):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import os.path as osp
+from collections.abc import Callable
 
 import torch
 
-from .utils import mkdir_if_missing
+from .utils import atomic_write_text, mkdir_if_missing, output_error
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +26,22 @@ class ScalarWriter:
         self._tb = None
         self._file = None
         self._pending: list[tuple[int, dict]] = []
+        self._path = ""
 
-    def open(self, output_dir: str, tensorboard_dir: str) -> None:
-        """Open ``<output_dir>/scalars.jsonl`` (appending) and a tensorboard writer if installed."""
+    def open(
+        self, output_dir: str, tensorboard_dir: str, keep: Callable[[dict], bool] | None = None
+    ) -> None:
+        """Open ``<output_dir>/scalars.jsonl`` (appending) and a tensorboard writer if installed.
+
+        Args:
+            keep: for a resumed run, which existing rows to keep (``row -> bool``; a row is
+                ``{"step": ..., tag: value, ...}``); the others (the steps the run is about to
+                write again) are dropped by rewriting the file atomically, so each step is
+                written once.
+        """
+        path = osp.join(output_dir, "scalars.jsonl")
+        if keep is not None and self._file is None and osp.isfile(path):
+            self._drop_rows(path, keep)
         if self._tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -36,8 +50,30 @@ class ScalarWriter:
             else:
                 self._tb = SummaryWriter(log_dir=tensorboard_dir)
         if self._file is None:
-            mkdir_if_missing(output_dir)
-            self._file = open(osp.join(output_dir, "scalars.jsonl"), "a")  # noqa: SIM115
+            try:
+                mkdir_if_missing(output_dir)
+                self._file = open(path, "a")  # noqa: SIM115
+            except OSError as e:
+                raise output_error(e, path) from e
+            self._path = path
+
+    @staticmethod
+    def _drop_rows(path: str, keep: Callable[[dict], bool]) -> None:
+        with open(path) as f:
+            lines = f.readlines()
+        kept = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by a kill while it was written
+                continue
+            if isinstance(row, dict) and keep(row):
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if len(kept) != len(lines):
+            atomic_write_text(path, "".join(kept))
+            logger.info(
+                "scalars.jsonl: dropped %d rows of the resumed steps", len(lines) - len(kept)
+            )
 
     def add(self, values: dict, global_step: int) -> None:
         """Queue scalars (numbers or 0-d tensors) for ``global_step``."""
@@ -63,10 +99,17 @@ class ScalarWriter:
                 for k, v in row.items():
                     self._tb.add_scalar(k, v, step)
             if self._file is not None:
-                self._file.write(json.dumps({"step": step, **row}) + "\n")
+                text = json.dumps({"step": step, **row}) + "\n"
+                try:
+                    self._file.write(text)
+                except OSError as e:
+                    raise output_error(e, self._path, len(text.encode())) from e
         self._pending.clear()
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as e:
+                raise output_error(e, self._path) from e
 
     def close(self) -> None:
         self.flush()

@@ -1,0 +1,260 @@
+"""A run folder (OUTPUT_DIR) is owned by one process and belongs to one experiment.
+
+- **Lock**: ``<output>/.lock`` holds the owner's pid and host and is ``fcntl.flock``-ed for the
+  run's life; a second run into the folder stops with an :class:`OutputError` naming the owner.
+  The lock dies with its process, so a stale file of a killed run is simply taken over.
+- **Experiment**: ``<output>/experiment.json`` holds the config keys that define the experiment
+  (all keys but those in :data:`NOT_EXPERIMENT_KEYS`: paths, logging, worker counts, ...). A
+  re-run with different values stops with the differing keys, before ``config.yaml`` is
+  rewritten; ``train.py --overwrite`` moves the old content aside and starts over,
+  ``--force-resume`` continues with the new values.
+- **Divergence**: a run that stopped on NaN/inf leaves ``<output>/diverged.json``; a re-run
+  refuses to resume past it unless ``--force-resume`` (or ``--overwrite``) is given.
+- **Orphans**: temporary files of atomic writes that a crash left behind are removed when a run
+  takes the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import os.path as osp
+import socket
+import time
+
+from .errors import OutputError
+from .utils import atomic_write_text, output_error, remove_orphan_tmp_files
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+EXPERIMENT_NAME = "experiment.json"
+DIVERGED_NAME = "diverged.json"
+
+# Config keys that do not change what a run computes (paths, logging, speed, resume): a re-run
+# may change them freely. Every other key defines the experiment. A key ending in "." excludes
+# the whole node.
+NOT_EXPERIMENT_KEYS = (
+    "VERSION",
+    "OUTPUT_DIR",
+    "RESUME",
+    "USE_CUDA",
+    "VERBOSE",
+    "DATASET.ROOT",
+    "DATALOADER.NUM_WORKERS",
+    "DATALOADER.CACHE_DECODED",
+    "DATALOADER.CACHE_DECODED_MB",
+    "DATALOADER.TEST.BATCH_SIZE",
+    "MODEL.BACKBONE.PATH",
+    "MODEL.BACKBONE.CONFIG",
+    "MODEL.COMPILE",
+    "TRAIN.PRINT_FREQ",
+    "TRAIN.CHECKPOINT_FREQ",
+    "TEST.PER_CLASS_RESULT",
+    "TEST.COMPUTE_CMAT",
+    "TEST.NO_TEST",
+    "TEST.FEATURE_CACHE",
+    "TEST.FEATURE_CACHE_DIR",
+)
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _excluded(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_EXPERIMENT_KEYS)
+
+
+def experiment_config(cfg, run: dict | None = None) -> dict:
+    """The flat ``{key: value}`` that defines the experiment of ``cfg`` (plus ``RUN.*`` entries
+    for how the run uses the config, e.g. ``RUN.EVAL_ONLY``)."""
+    flat = {k: v for k, v in _flatten(cfg).items() if not _excluded(k)}
+    for k, v in (run or {}).items():
+        flat[f"RUN.{k}"] = v
+    return flat
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if a != b:
+            diffs.append(f"{key}: {a!r} in the folder, {b!r} now")
+    return diffs
+
+
+class RunFolder:
+    """The output folder of one run: take it with :meth:`acquire`, give it back with
+    :meth:`release` (or use it as a context manager)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: int | None = None
+
+    # -- lock ------------------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Create the folder and hold its lock; raise OutputError if another process holds it."""
+        lock = osp.join(self.path, LOCK_NAME)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileExistsError as e:
+            raise OutputError(
+                f"Output folder {self.path} is a file, not a folder: choose another --output-dir"
+            ) from e
+        except OSError as e:
+            raise output_error(e, lock) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = ""
+            with contextlib.suppress(OSError):
+                owner = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise OutputError(
+                f"Output folder {self.path} is in use by another run ({owner or 'owner unknown'})."
+                " Two runs in one folder would mix their checkpoints and logs: wait for it to "
+                "finish (or stop it), or choose another --output-dir."
+            ) from None
+        info = f"pid {os.getpid()} on host {socket.gethostname()}, since {time.ctime()}\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+    def __enter__(self) -> RunFolder:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # -- orphans ---------------------------------------------------------------------------------
+    def remove_orphans(self) -> None:
+        """Delete temporary files of atomic writes that crashed (we hold the lock)."""
+        removed = remove_orphan_tmp_files(self.path)
+        if removed:
+            logger.info("Removed %d unfinished temporary file(s) of a crashed run", len(removed))
+
+    # -- experiment ------------------------------------------------------------------------------
+    def _recorded(self) -> tuple[dict | None, str]:
+        path = osp.join(self.path, EXPERIMENT_NAME)
+        if osp.isfile(path):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError), open(path) as f:
+                return json.load(f)["config"], path
+        return None, path
+
+    def check_experiment(self, flat: dict, force: bool = False) -> None:
+        """Compare ``flat`` (see :func:`experiment_config`) with the folder's experiment.
+
+        Raises OutputError listing the differing keys unless ``force`` (continue with the new
+        values).
+        """
+        old, path = self._recorded()
+        if old is None or old == flat:
+            return
+        diffs = _differences(old, flat)
+        if force:
+            logger.warning(
+                "--force-resume: continuing %s with a changed experiment: %s",
+                self.path,
+                "; ".join(diffs),
+            )
+            return
+        shown = diffs if len(diffs) <= 12 else [*diffs[:12], f"... ({len(diffs)} keys in all)"]
+        raise OutputError(
+            f"Output folder {self.path} holds a run of another experiment ({path}): "
+            + "; ".join(shown)
+            + ". Use another --output-dir, or pass --overwrite to move the old run aside and "
+            "start over, or --force-resume to continue it with the new values."
+        )
+
+    def record_experiment(self, flat: dict) -> None:
+        atomic_write_text(
+            osp.join(self.path, EXPERIMENT_NAME),
+            json.dumps({"config": flat}, indent=1, sort_keys=True, default=str) + "\n",
+        )
+
+    # -- divergence ------------------------------------------------------------------------------
+    def check_divergence(self, force: bool = False) -> None:
+        """Refuse to resume a run that diverged, unless ``force``."""
+        marker = read_divergence(self.path)
+        if marker is None:
+            return
+        where = f"epoch {marker.get('epoch')}, batch {marker.get('batch')}"
+        if force:
+            logger.warning(
+                "--force-resume: resuming %s, which diverged at %s, from its last finite "
+                "checkpoint",
+                self.path,
+                where,
+            )
+            return
+        raise OutputError(
+            f"The run in {self.path} diverged at {where} ({marker.get('message', '')[:300]}). "
+            "Resuming it with the same settings would diverge again. Pass --overwrite to start "
+            "over, or change the settings (e.g. a lower OPTIM.LR) and pass --force-resume to "
+            f"continue from its last finite checkpoint ({DIVERGED_NAME} has the details)."
+        )
+
+    # -- starting over ---------------------------------------------------------------------------
+    def move_aside(self) -> str | None:
+        """Move the folder's content (not the lock) to ``<output>.old-<time>``; returns it."""
+        entries = [e for e in os.listdir(self.path) if e != LOCK_NAME]
+        if not entries:
+            return None
+        base = f"{self.path.rstrip(os.sep)}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        dest, n = base, 1
+        while osp.exists(dest):
+            n += 1
+            dest = f"{base}-{n}"
+        try:
+            os.makedirs(dest)
+            for e in entries:
+                os.replace(osp.join(self.path, e), osp.join(dest, e))
+        except OSError as e:
+            raise output_error(e, dest) from e
+        return dest
+
+
+def write_divergence(output_dir: str, epoch: int, batch: int, message: str) -> None:
+    """Write ``<output>/diverged.json`` (best effort: the FloatingPointError is what matters)."""
+    data = {"epoch": epoch, "batch": batch, "message": message, "time": time.ctime()}
+    try:
+        atomic_write_text(osp.join(output_dir, DIVERGED_NAME), json.dumps(data, indent=1) + "\n")
+    except OSError as e:
+        logger.warning("Could not write %s: %s", DIVERGED_NAME, e)
+
+
+def read_divergence(output_dir: str) -> dict | None:
+    path = osp.join(output_dir, DIVERGED_NAME)
+    if not osp.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    return data if isinstance(data, dict) else {}
+
+
+def clear_divergence(output_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(osp.join(output_dir, DIVERGED_NAME))
