@@ -17,6 +17,9 @@ Examples::
     python tools/parse_results.py output/base2new/train_base/dtd/shots_16/CoOp/vit_b16_ctxv1
     python tools/parse_results.py output/base2new --per-run      # every group under a tree
     python tools/parse_results.py output/evaluation --seeds 1 2 3 --kind eval
+
+Exit status: 0 when every experiment has all its seeds' results, 1 (after printing the table)
+when a seed is missing or has no result, unless ``--allow-incomplete``; 2 on a bad path.
 """
 
 from __future__ import annotations
@@ -206,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kind", choices=KINDS, default="auto", help="log kind (default: auto)")
     parser.add_argument("--per-run", action="store_true", help="also list every run")
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="exit 0 even if an experiment misses seeds or a run has no result (default: the "
+        "table is printed and the exit status is 1)",
+    )
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
@@ -236,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         print(tabulate(runs, headers=heads[1], disable_numparse=True))
     if bad:
         print(f"\n{bad} experiment(s) or run(s) incomplete: see the seeds/status columns.")
+        if not args.allow_incomplete:
+            print(
+                f"Error: {bad} experiment(s) or run(s) incomplete (pass --allow-incomplete to "
+                "accept partial results)",
+                file=sys.stderr,
+            )
+            return 1
     return 0
 
 
