@@ -7,7 +7,11 @@ message naming the key instead of failing deep inside PyTorch.
 
 from __future__ import annotations
 
+import logging
+
 from engine.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 SAMPLERS = ("RandomSampler", "SequentialSampler")
 SUBSAMPLES = ("all", "base", "new")
@@ -37,6 +41,12 @@ def _problems(cfg) -> list[str]:
     )
     need(d.NUM_LABELED >= -1, "DATASET.NUM_LABELED", d.NUM_LABELED, ">= 0, or -1 for all")
     need(0 <= d.VAL_PERCENT < 1, "DATASET.VAL_PERCENT", d.VAL_PERCENT, "in [0, 1)")
+    if d.VAL_PERCENT != 0.1:  # Dassl's default; no reader of this project reads the key
+        logger.warning(
+            "DATASET.VAL_PERCENT %s has no effect: every reader takes its validation set from "
+            "the dataset's split file (CoOp's split_zhou_*.json or the generated one)",
+            d.VAL_PERCENT,
+        )
     need(
         d.SUBSAMPLE_CLASSES in SUBSAMPLES,
         "DATASET.SUBSAMPLE_CLASSES",
