@@ -161,6 +161,8 @@ def setup_cfg(args):
             f"Flag {flags[0]} comes after the KEY VALUE options; put all --flags before them"
         )
     merge_from_list(cfg, opts)
+    if cfg.TRAINER.NAME in TRAINER_REGISTRY:  # another code base's keys -> ours (default: none)
+        TRAINER_REGISTRY.get(cfg.TRAINER.NAME).translate_cfg(cfg)
     apply_reproduction(cfg, getattr(args, "repro", ""), opts)  # the mode's overlay; opts win
     cfg.freeze()
     return cfg

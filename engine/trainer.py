@@ -96,6 +96,17 @@ class TrainerBase(CheckpointMixin):
         """Add this trainer's ``TRAINER.<NODE>`` keys to ``cfg`` (override per trainer)."""
 
     @classmethod
+    def translate_cfg(cls, cfg) -> None:
+        """Map keys of another code base's interface onto this project's keys (default: none).
+
+        Called by :func:`engine.cli.setup_cfg` on the merged, not yet frozen config of the trainer
+        named by ``--trainer``, after every file and ``KEY VALUE`` option and before the
+        reproduction mode's overlay (so a translation may choose ``REPRODUCTION``); e.g. the
+        SAMPLe authors' aliases map ``TRAINER.SAMPLe.*`` onto the prompt-learner and ``OPTIM.SAM``
+        keys (``trainers/sample_aliases.py``). Must be idempotent.
+        """
+
+    @classmethod
     def config_node(cls) -> str:
         """The name of this trainer's ``TRAINER.<NODE>`` config node.
 

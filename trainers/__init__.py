@@ -1,3 +1,14 @@
 """Prompt-learning trainers, registered in engine.registry.TRAINER_REGISTRY on import."""
 
-from . import cocoop, coop, coprompt, ivlp, kgcoop, maple, promptsrc, tcp, zsclip  # noqa: F401
+from . import (  # noqa: F401
+    cocoop,
+    coop,
+    coprompt,
+    ivlp,
+    kgcoop,
+    maple,
+    promptsrc,
+    sample_aliases,
+    tcp,
+    zsclip,
+)
