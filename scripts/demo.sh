@@ -21,6 +21,11 @@
 #                                         its own folders, tag "ep<N>")
 #   DEMO_SHOTS   [16]                     training images per base class
 #   DEMO_OPTIMS  [sgd sam sagm sample]    optimizers (sgd = CoOp's own SGD)
+#   DEMO_REPRO   [paper]                  reproduction mode (README, "What reproduces what"):
+#                                         paper, or released (the SAMPLe authors' released code
+#                                         emulated: its own folders, tag "released", and plots
+#                                         in $DEMO_OUTPUT/plots-released). The table shows every
+#                                         mode that has runs in $DEMO_OUTPUT, one row per mode
 #   DEMO_FAST=1  a smoke test in about a minute: seed 1, 1 epoch, 2 shots, a tiny world, output
 #                in output/demo_fast (the numbers mean nothing)
 #   PYTHON       [python]
@@ -43,6 +48,9 @@ else
   SHOTS="${DEMO_SHOTS:-16}"
 fi
 OPTIMS="${DEMO_OPTIMS:-sgd sam sagm sample}"
+REPRO="${DEMO_REPRO:-paper}"
+PLOTS="$OUT/plots"
+if [[ "$REPRO" != paper ]]; then PLOTS="$OUT/plots-$REPRO"; fi
 DATA="$OUT/data"
 # Tiny models: one thread per process is the fastest, and far faster than two on a busy CPU.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -53,6 +61,7 @@ export SAMPLE_PL_CACHE="$OUT/cache"
 # shellcheck disable=SC2206  # SEEDS and OPTIMS are space-separated lists
 GRID=(--trainers CoOp --optims $OPTIMS --datasets small_world --seeds $SEEDS --cfg "$CFG"
   --shots "$SHOTS" --output "$OUT")
+MODES=(--repro paper released)  # the tables: every mode with runs, one row per mode
 OPTS=()
 if [[ -n "$EPOCHS" ]]; then
   GRID+=(--tag "ep$EPOCHS")
@@ -78,8 +87,10 @@ for half in base new; do
   echo "$half: $(grep -o '\* accuracy: .*' "$run_dir/log.txt" | tail -n 1)"
 done
 
-step "3/5 CoOp on the base classes, tested on the new classes (optimizers: $OPTIMS; seeds: $SEEDS)"
-"$PY" tools/grid.py "${GRID[@]}" --data "$DATA" --quiet --no-data-check ${OPTS[@]+"${OPTS[@]}"}
+step "3/5 CoOp on the base classes, tested on the new classes (optimizers: $OPTIMS; seeds: $SEEDS;" \
+  "mode: $REPRO)"
+"$PY" tools/grid.py "${GRID[@]}" --repro "$REPRO" --data "$DATA" --quiet --no-data-check \
+  ${OPTS[@]+"${OPTS[@]}"}
 
 step "4/5 Base / New / HM (test accuracy %, mean over seeds $SEEDS)"
 {
@@ -91,28 +102,29 @@ from tools.parse_results import read_run
 base, new = (read_run(f"{sys.argv[1]}/{half}/seed1").accuracy for half in ("base", "new"))
 print(f"Zero-shot CLIP: Base {base:.2f}  New {new:.2f}  HM {2 * base * new / (base + new):.2f}\n")
 EOF
-  "$PY" tools/make_tables.py "${GRID[@]}" --std
+  "$PY" tools/make_tables.py "${GRID[@]}" "${MODES[@]}" --std
 } | tee "$OUT/table.txt"
 
-step "5/5 plots: loss landscape and gradient alignment (seed ${SEEDS%% *}) in $OUT/plots"
+step "5/5 plots: loss landscape and gradient alignment (seed ${SEEDS%% *}) in $PLOTS"
 # the train_base run folders of the first seed, one per optimizer (the layout of tools/protocols.py)
 # shellcheck disable=SC2086  # OPTIMS is a space-separated list
-mapfile -t RUNS < <("$PY" - "$OUT" "$SHOTS" "${SEEDS%% *}" "$EPOCHS" "$CFG" $OPTIMS <<'PYEOF'
+mapfile -t RUNS < <("$PY" - "$OUT" "$SHOTS" "${SEEDS%% *}" "$EPOCHS" "$CFG" "$REPRO" $OPTIMS <<'PYEOF'
 import sys
 
 from tools.protocols import Setup, base2new_chain
 
-out, shots, seed, epochs, cfg, *optims = sys.argv[1:]
+out, shots, seed, epochs, cfg, repro, *optims = sys.argv[1:]
 tag = f"ep{epochs}" if epochs else ""
-setup = Setup(output=out, shots=int(shots), tag=tag, cfgs=(("CoOp", cfg),))
+setup = Setup(output=out, shots=int(shots), tag=tag, cfgs=(("CoOp", cfg),), repro=repro)
 for optim in optims:
     print(base2new_chain(setup, "CoOp", optim, "small_world", int(seed)).train.out_dir)
 PYEOF
 )
-"$PY" tools/loss_landscape.py "${RUNS[@]}" --out-dir "$OUT/plots/landscape" --root "$DATA" \
+"$PY" tools/loss_landscape.py "${RUNS[@]}" --out-dir "$PLOTS/landscape" --root "$DATA" \
   --points 15 --points-2d 9 --batches 2
-"$PY" tools/plot_alignment.py "${RUNS[@]}" --out "$OUT/plots/alignment.png"
+"$PY" tools/plot_alignment.py "${RUNS[@]}" --out "$PLOTS/alignment.png"
+"$PY" tools/make_tables.py "${GRID[@]}" "${MODES[@]}" --std --report "$OUT/report" | tail -n 1
 
 echo
 echo "Done in $((SECONDS - T0)) s. Runs, logs and checkpoints: $OUT/base2new, $OUT/zeroshot;" \
-  "table: $OUT/table.txt; plots: $OUT/plots"
+  "table: $OUT/table.txt; plots: $PLOTS"

@@ -9,6 +9,7 @@ import os.path as osp
 import statistics
 
 import pytest
+from run_folders import RESULT, eval_log, fake_base2new, train_log, write_run
 
 from tools import make_tables
 from tools.paper_results import (
@@ -23,33 +24,7 @@ from tools.paper_results import (
 )
 from tools.parse_results import collect_seeds, log_files, parse_log, read_run
 from tools.parse_results import main as parse_main
-from tools.protocols import Setup, base2new_dirs, cfg_component, transfer_dirs
-
-# -- logs in the CoOp code base's format -------------------------------------------------------
-ARGS = "***************\n** Arguments **\n***************\nbackbone: \neval_only: {}\nseed: 1\n"
-RESULT = "=> result\n* total: 1,692\n* correct: 1,100\n* accuracy: {}%\n* error: 35.0%\n"
-
-
-def train_log(acc=None, end="Finish training", val_acc=None) -> str:
-    """A training log; ``val_acc`` adds a mid-training evaluation block before the end."""
-    text = ARGS.format(False) + "epoch [1/2] batch [5/5] loss 1.2 acc 50.0 lr 2e-3\n"
-    if val_acc is not None:
-        text += "Evaluate on the *val* set\n" + RESULT.format(val_acc)
-    if acc is not None:
-        text += f"Checkpoint saved to x/prompt_learner/model.pth.tar-2\n{end}\n"
-        text += "Evaluate on the *test* set\n" + RESULT.format(acc) + "Elapsed: 0:00:03\n"
-    return text
-
-
-def eval_log(acc=None) -> str:
-    text = ARGS.format(True) + "Loading weights to prompt_learner from x (epoch = 2)\n"
-    return text + (RESULT.format(acc) if acc is not None else "Evaluate on the *test* set\n")
-
-
-def write_run(run_dir: str, text: str, name: str = "log.txt") -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(osp.join(run_dir, name), "w") as f:
-        f.write(text)
+from tools.protocols import Setup, cfg_component, transfer_dirs
 
 
 # -- the paper's numbers ------------------------------------------------------------------------
@@ -205,21 +180,6 @@ def test_parse_results_cli(tmp_path, capsys):
 
 
 # -- tables -------------------------------------------------------------------------------------
-def _fake_base2new(setup, trainer, optim, dataset, seeds, skip=()):
-    """Seed results spread by 0.3 around the paper's number (their mean)."""
-    comp = cfg_component(setup.cfg_for("base2new", trainer, dataset), optim)
-    for i, seed in enumerate(seeds):
-        train, test = base2new_dirs(setup, dataset, trainer, comp, seed)
-        delta = (i - (len(seeds) - 1) / 2) * 0.3
-        if (dataset, seed, "base") not in skip:
-            acc = paper_value("base2new", trainer, optim, dataset, "base") + delta
-            write_run(train, train_log(acc) if (dataset, seed, "fail") not in skip else "x")
-        if (dataset, seed, "new") not in skip:
-            write_run(
-                test, eval_log(paper_value("base2new", trainer, optim, dataset, "new") + delta)
-            )
-
-
 def _records(tables):
     rows = csv.DictReader(io.StringIO(make_tables.render(tables, "csv")))
     return {(r["table"], r["trainer"], r["optimizer"], r["dataset"], r["metric"]): r for r in rows}
@@ -231,7 +191,7 @@ def test_base2new_tables_against_the_paper(tmp_path):
     skip = {("eurosat", 3, "new"), ("dtd", 2, "fail")}
     for optim in ("sgd", "sample"):
         for d in BASE2NEW_DATASETS:
-            _fake_base2new(setup, "CoOp", optim, d, (1, 2, 3), skip if optim == "sgd" else ())
+            fake_base2new(setup, "CoOp", optim, d, (1, 2, 3), skip if optim == "sgd" else ())
     args = make_tables.build_parser().parse_args(["--output", out, "--tables", "base2new"])
     tables = make_tables.build_tables(args)
     assert [t.title for t in tables][:2] == [
@@ -286,7 +246,7 @@ def test_transfer_and_ablation_tables(tmp_path):
                     write_run(ev, eval_log(paper_value(table, "CoOp", optim, t)))
     for optim in ("sgd", "sam", "sagm", "sample"):
         for d in BASE2NEW_DATASETS:
-            _fake_base2new(setup, "CoPrompt", optim, d, (1,))
+            fake_base2new(setup, "CoPrompt", optim, d, (1,))
     args = make_tables.build_parser().parse_args(["--output", out, "--seeds", "1", "2", "3"])
     tables = {t.name + t.title: t for t in make_tables.build_tables(args)}
     xd = tables["cross_datasetCross-dataset"]
@@ -311,7 +271,7 @@ def test_transfer_and_ablation_tables(tmp_path):
 
 def test_make_tables_cli_saves_all_formats(tmp_path, capsys):
     out = str(tmp_path / "output")
-    _fake_base2new(Setup(output=out), "CoOp", "sample", "dtd", (1,))
+    fake_base2new(Setup(output=out), "CoOp", "sample", "dtd", (1,))
     argv = ["--output", out, "--trainers", "CoOp", "--optims", "sample", "--datasets", "dtd"]
     assert make_tables.main([*argv, "--seeds", "1", "--save", str(tmp_path / "t"), "--std"]) == 0
     printed = capsys.readouterr().out

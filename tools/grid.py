@@ -27,6 +27,11 @@ Examples::
 
 Everything after ``--`` is passed to every train.py command as KEY VALUE options (options that
 change the experiment belong with a ``--tag``, or their runs share the default folders).
+
+``--repro paper|released`` (both: ``--repro paper released``) picks the reproduction mode
+(README, "What reproduces what"): ``paper`` (the default) keeps the folders above, ``released``
+(an emulation of the SAMPLe authors' released code) runs ``train.py --repro released`` into
+folders tagged ``released`` (``{cfg}+{optim}-released``).
 """
 
 from __future__ import annotations
@@ -48,11 +53,17 @@ from queue import Empty, Queue
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.paper_results import BASE2NEW_DATASETS, OPTIMIZERS, TRAINERS  # noqa: E402
+from tools.paper_results import (  # noqa: E402
+    BASE2NEW_DATASETS,
+    EXTRA_TRAINERS,
+    OPTIMIZERS,
+    TRAINERS,
+)
 from tools.parse_results import read_run  # noqa: E402
 from tools.protocols import (  # noqa: E402
     PROTOCOLS,
     REPO,
+    REPRO_MODES,
     TARGETS,
     Chain,
     ProtocolError,
@@ -107,6 +118,9 @@ PRESETS = {
     "paper-base2new": (SubGrid(("base2new",), TRAINERS, OPTIMIZERS),),
     "paper-transfer": (SubGrid(_TRANSFER, TRAINERS, ("sgd", "sample")),),
     "paper-ablation": (SubGrid(("base2new",), ("CoPrompt",), ("sgd", "sam", "sagm", "sample")),),
+    # the paper's protocols for the trainers it has no numbers for (KgCoOp, IVLP, PromptSRC)
+    "extra-base2new": (SubGrid(("base2new",), EXTRA_TRAINERS, OPTIMIZERS),),
+    "extra-transfer": (SubGrid(_TRANSFER, EXTRA_TRAINERS, ("sgd", "sample")),),
     "sweep-rho": (
         SubGrid(
             optims=("sam", "fsam", "sagm", "sample"),
@@ -123,11 +137,23 @@ PRESETS = {
     ),
 }
 PRESETS["paper"] = PRESETS["paper-base2new"] + PRESETS["paper-transfer"]
+PRESETS["extra"] = PRESETS["extra-base2new"] + PRESETS["extra-transfer"]
 PRESETS["sweep"] = PRESETS["sweep-rho"] + PRESETS["sweep-lambda"]
 AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
 
 
 # -- grid expansion ---------------------------------------------------------------------------
+def check_seeds(seeds) -> tuple[int, ...]:
+    """Any list of seeds >= 0, in the given order without repeats."""
+    bad = [s for s in seeds if s < 0]
+    if bad:
+        raise GridError(
+            f"--seeds {' '.join(map(str, bad))}: seeds must be >= 0 (a negative SEED leaves the "
+            "run unseeded and not reproducible)"
+        )
+    return tuple(dict.fromkeys(seeds))
+
+
 def select(preset: str | None, **axes) -> list[SubGrid]:
     """The sub-grids of ``preset`` restricted to the given axes, or one grid built from them.
 
@@ -136,6 +162,8 @@ def select(preset: str | None, **axes) -> list[SubGrid]:
         **axes: values for the fields of :class:`SubGrid` (None = not given).
     """
     given = {k: tuple(v) for k, v in axes.items() if v}
+    if "seeds" in given:
+        given["seeds"] = check_seeds(given["seeds"])
     if preset is None:
         if "trainers" not in given:
             raise GridError("Choose a --preset or give --trainers (e.g. --trainers CoOp)")
@@ -146,6 +174,8 @@ def select(preset: str | None, **axes) -> list[SubGrid]:
     grids = []
     for grid in PRESETS[preset]:
         sub = {k: tuple(x for x in getattr(grid, k) if x in given[k]) for k in given}
+        if "seeds" in given:  # any seed list, not only the preset's seeds
+            sub["seeds"] = given["seeds"]
         grids.append(replace(grid, **sub))
     kept = [g for g in grids if all(getattr(g, k) for k in ("protocols", "trainers", "optims"))]
     kept = [g for g in kept if g.datasets or "base2new" not in g.protocols]
@@ -369,10 +399,10 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("grid")
     g.add_argument("--preset", choices=sorted(PRESETS), help="the paper's grids")
     g.add_argument("--protocols", nargs="+", choices=PROTOCOLS, help="default: base2new")
-    g.add_argument("--trainers", nargs="+", help=f"e.g. {' '.join(TRAINERS)}")
+    g.add_argument("--trainers", nargs="+", help=f"e.g. {' '.join(TRAINERS + EXTRA_TRAINERS)}")
     g.add_argument("--optims", nargs="+", help=f"e.g. {' '.join(OPTIMIZERS)} (default: sample)")
     g.add_argument("--datasets", nargs="+", help="base-to-new datasets (default: the 11)")
-    g.add_argument("--seeds", nargs="+", type=int, help="default: 1 2 3")
+    g.add_argument("--seeds", nargs="+", type=int, help="any seeds >= 0 (default: 1 2 3)")
     g.add_argument("--xd-targets", nargs="+", help="cross-dataset targets (default: the 10)")
     g.add_argument("--dg-targets", nargs="+", help="domain generalization targets (default: 4)")
     g.add_argument(
@@ -393,6 +423,14 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     lay.add_argument("--output", default=os.environ.get("OUTPUT") or "output", help="output root")
     lay.add_argument("--shots", type=int, default=16, help="training shots per class")
     lay.add_argument("--tag", default="", help="suffix of the optimizer folder component")
+    lay.add_argument(
+        "--repro",
+        nargs="+",
+        choices=REPRO_MODES,
+        default=[os.environ.get("REPRO") or "paper"],
+        help="reproduction mode(s): paper (default; $REPRO) and/or released (the SAMPLe "
+        "authors' released code emulated; folders tagged 'released')",
+    )
 
 
 def apply_sweep(grids: list[SubGrid], sweep: list[str] | None) -> list[SubGrid]:
@@ -441,7 +479,16 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
         tag=args.tag,
         opts=tuple(opts or ()),
         cfgs=tuple(sorted(cfgs.items())),
+        repro=(getattr(args, "repro", None) or ["paper"])[0],
     )
+
+
+def expand_modes(grids: list[SubGrid], setup: Setup, modes) -> list[Chain]:
+    """The chains of ``grids`` in each reproduction mode of ``modes`` (in that order)."""
+    chains = []
+    for mode in dict.fromkeys(modes or [setup.repro]):
+        chains += expand(grids, replace(setup, repro=mode))
+    return chains
 
 
 def split_opts(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -467,7 +514,7 @@ def print_plan(chains: list[Chain], setup: Setup, dry_run: bool, commands: bool)
                 action = "after training"
             print(f"{action:>14}  {run.label}\n{'':>16}{run.out_dir}")
             if commands:
-                epoch = "{MAX_EPOCH of the training run}" if run.stage == "eval" else None
+                epoch = "{last epoch of the training run}" if run.stage == "eval" else None
                 print(f"{'':>16}{shlex.join(run.command(setup, epoch))}")
     print(
         f"{sum(counts.values())} runs in {len(chains)} chains: {counts['done']} done (skipped), "
@@ -509,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         setup = setup_from_args(args, opts)
-        chains = expand(grids_from_args(args), setup)
+        chains = expand_modes(grids_from_args(args), setup, args.repro)
         pending = print_plan(chains, setup, args.dry_run, args.commands)
         if args.dry_run or not pending:
             return 0

@@ -11,15 +11,28 @@ Tables (``--tables``; default: every table that has runs):
 The runs are those of a grid given as to ``tools/grid.py`` (default ``--preset paper``; rows
 without any run folder are left out unless ``--show-empty``). A mean over fewer seeds than the
 grid asks for is marked ``*`` and every missing or failed run is listed under the table; an
-average over datasets is left empty until every dataset has a result. The paper's numbers come
-from ``tools/paper_results.csv``; they are compared only where the grid's datasets/targets are
-the paper's.
+average over datasets is left empty until every dataset has a result. Seed folders beyond the
+grid's ``--seeds`` are used too (every seed found counts); each table's heading says how many
+seeds its cells have. The paper's numbers come from ``tools/paper_results.csv``; they are compared
+only where the grid's datasets/targets are the paper's.
+
+Paired comparisons (``tools/stats.py``): under each base-to-new, cross-dataset and domain
+generalisation table, the difference a - b of two methods per column, over the seeds both have
+(same seed, same few-shot draw), with a 95% Student-t interval; the average row/column has a 95%
+bootstrap interval over dataset x seed and the p-value of a Wilcoxon signed-rank test over
+datasets. A difference whose interval contains 0 is marked ``†`` (not resolved by the seeds).
+Default pairs: each sharpness-aware row against its trainer's base-optimizer (``sgd``) row;
+``--compare A B`` (repeatable) picks any two methods; ``--seeds-needed [DELTA]`` adds how many
+seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
+report (``tools/report.py``).
 
 Examples::
 
     python tools/make_tables.py --output output                       # terminal tables
     python tools/make_tables.py --format markdown --trainers CoOp --optims sgd sample
     python tools/make_tables.py --save tables/                       # .txt .md .csv .tex
+    python tools/make_tables.py --compare CoOp+SAMPLe CoOp+SAM --seeds-needed 0.5
+    python tools/make_tables.py --report report/                     # report/index.html
 """
 
 from __future__ import annotations
@@ -31,7 +44,9 @@ import os
 import os.path as osp
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
@@ -46,8 +61,19 @@ from tools.paper_results import (  # noqa: E402
     paper_value,
     row_title,
 )
-from tools.parse_results import SeedStats, collect_seeds  # noqa: E402
+from tools.parse_results import SeedStats, collect_seeds, group_seeds  # noqa: E402
 from tools.protocols import SOURCE_DATASET, Chain, ProtocolError  # noqa: E402
+from tools.stats import (  # noqa: E402
+    Diff,
+    across_datasets,
+    describe_methods,
+    hm_of_means,
+    mean_of,
+    mean_of_hms,
+    paired_diff,
+    per_seed_hm,
+    seeds_needed,
+)
 
 TABLE_NAMES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 FORMATS = ("terminal", "markdown", "csv", "latex")
@@ -56,6 +82,29 @@ ABLATION_ROWS = (
     ("sam", "L_p"),
     ("sagm", "L + L_p - a(gL . gL_p)"),
     ("sample", "L + L_p - a(gL . gL_p) + a xi s(gL_p . gF)"),
+)
+MARK = "\u2020"  # dagger: the difference's interval contains 0
+RECORD_FIELDS = (
+    "table",
+    "trainer",
+    "optimizer",
+    "dataset",
+    "metric",
+    "ours",
+    "std",
+    "n_seeds",
+    "complete",
+    "paper",
+    "diff",
+    "compared_to",
+    "difference",
+    "ci_low",
+    "ci_high",
+    "interval",
+    "p_wilcoxon",
+    "resolved",
+    "seeds_needed",
+    "notes",
 )
 
 
@@ -68,6 +117,7 @@ class Cell:
     std: float | None = None
     complete: bool = True
     notes: list[str] = field(default_factory=list)
+    n: int = 0  # seeds behind the value (the fewest over the cells it is derived from)
 
     @property
     def diff(self) -> float | None:
@@ -81,12 +131,36 @@ class Cell:
         if stats is None:
             return cls(paper=paper, complete=False, notes=[f"{what}: no runs"])
         notes = [] if stats.complete else [f"{what}: {stats.describe()}"]
-        return cls(stats.mean, paper, stats.std, stats.complete, notes)
+        return cls(stats.mean, paper, stats.std, stats.complete, notes, stats.n)
+
+
+@dataclass
+class DiffCell:
+    """A paired difference a - b (None: no seed in common) and the seeds it would need."""
+
+    diff: Diff | None
+    needed: int | None = None
+
+
+@dataclass
+class Pair:
+    """Two methods to compare, ``a - b``; each is ``(trainer, optimizer)``."""
+
+    a: tuple[str, str]
+    b: tuple[str, str]
+
+    @property
+    def label(self) -> str:
+        return f"{row_title(*self.a)} - {row_title(*self.b)}"
 
 
 @dataclass
 class Table:
-    """A format-independent table: title, headers, rows ``[label, Cell, ...]`` and notes."""
+    """A format-independent table: title, headers, rows ``[label, Cell, ...]`` and notes.
+
+    A values table may carry ``diffs``: its paired comparisons, a table of the same columns
+    whose rows are ``[label, DiffCell, ...]`` (rendered right under it).
+    """
 
     name: str
     title: str
@@ -94,6 +168,27 @@ class Table:
     rows: list[list] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    diffs: Table | None = None
+
+    @property
+    def seeds_text(self) -> str:
+        """How many seeds the cells (or the paired differences) have: ``3 seeds``, ``1-3 seeds
+        per cell``."""
+        counts = set()
+        for row in self.rows:
+            for c in row[1:]:
+                if isinstance(c, Cell) and c.n:
+                    counts.add(c.n)
+                elif isinstance(c, DiffCell) and c.diff is not None:
+                    counts.add(len(c.diff.seeds))
+        if not counts:
+            return ""
+        lo, hi = min(counts), max(counts)
+        return f"{lo} seed{'s' * (lo > 1)}" if lo == hi else f"{lo}-{hi} seeds per cell"
+
+    @property
+    def heading(self) -> str:
+        return f"{self.title} ({self.seeds_text})" if self.seeds_text else self.title
 
     def add(self, label: str, trainer: str, optim: str, cells: list[tuple[str, str, Cell]]):
         """Append a row of ``(dataset, metric, cell)`` cells."""
@@ -103,31 +198,68 @@ class Table:
             self.records.append(_record(self.name, trainer, optim, dataset, metric, cell))
 
 
-def _record(table, trainer, optim, dataset, metric, cell: Cell) -> dict:
-    def r(v):
-        return "" if v is None else round(v, 4)
+def _r(v):
+    return "" if v is None else round(v, 4)
 
+
+def _record(table, trainer, optim, dataset, metric, cell: Cell) -> dict:
     return {
+        **dict.fromkeys(RECORD_FIELDS, ""),
         "table": table,
         "trainer": trainer,
         "optimizer": optim,
         "dataset": dataset,
         "metric": metric,
-        "ours": r(cell.value),
-        "std": r(cell.std),
+        "ours": _r(cell.value),
+        "std": _r(cell.std),
+        "n_seeds": cell.n,
         "complete": cell.complete,
-        "paper": r(cell.paper),
-        "diff": r(cell.diff),
+        "paper": _r(cell.paper),
+        "diff": _r(cell.diff),
         "notes": "; ".join(cell.notes),
     }
+
+
+def _diff_record(table, pair: Pair, dataset, metric, cell: DiffCell) -> dict:
+    d = cell.diff
+    out = {
+        **dict.fromkeys(RECORD_FIELDS, ""),
+        "table": f"{table}_diff",
+        "trainer": pair.a[0],
+        "optimizer": pair.a[1],
+        "dataset": dataset,
+        "metric": metric,
+        "compared_to": row_title(*pair.b),
+        "notes": "no seed in common" if d is None else "",
+    }
+    if d is not None:
+        out.update(
+            difference=_r(d.mean),
+            ci_low=_r(d.lo),
+            ci_high=_r(d.hi),
+            n_seeds=d.n if d.method == "t" else "",
+            interval=f"{d.confidence:.0%} {d.method}",
+            p_wilcoxon=_r(d.p),
+            resolved=not d.contains_zero,
+            seeds_needed="" if cell.needed is None else cell.needed,
+        )
+    return out
 
 
 # -- collecting -------------------------------------------------------------------------------
 def collect(chains: list[Chain]) -> dict[tuple, SeedStats]:
     """``{(table, trainer, optim, dataset, metric): SeedStats}`` over the chains' runs.
 
-    Groups without any run folder (every seed missing) are left out.
+    Every seed folder found beside the grid's runs counts (e.g. ``seed4`` of a grid of seeds
+    1-3). Groups without any run folder (every seed missing) are left out.
     """
+    groups, kinds = run_folders(chains)
+    stats = {k: collect_seeds(v, kinds[k]) for k, v in groups.items()}
+    return {k: s for k, s in stats.items() if s.expected > len(s.missing)}
+
+
+def run_folders(chains: list[Chain]) -> tuple[dict[tuple, dict[int, str]], dict[tuple, str]]:
+    """``({key: {seed: run folder}}, {key: stage})``: the grid's runs and the extra seeds found."""
     groups: dict[tuple, dict[int, str]] = {}
     kinds: dict[tuple, str] = {}
     for chain in chains:
@@ -143,8 +275,12 @@ def collect(chains: list[Chain]) -> dict[tuple, SeedStats]:
                 key = (table, run.trainer, run.optim, dataset, metric)
                 groups.setdefault(key, {})[run.seed] = run.out_dir
                 kinds[key] = run.stage
-    stats = {k: collect_seeds(v, kinds[k]) for k, v in groups.items()}
-    return {k: s for k, s in stats.items() if s.expected > len(s.missing)}
+    for seeds in groups.values():
+        parents = {osp.dirname(d) for d in seeds.values()}
+        if len(parents) == 1 and osp.isdir(parent := parents.pop()):
+            for seed, folder in group_seeds(parent, None).items():
+                seeds.setdefault(seed, folder)
+    return groups, kinds
 
 
 def _hm(b: float | None, n: float | None) -> float | None:
@@ -156,7 +292,8 @@ def _average(cells: list[Cell], what: str) -> Cell:
     have = [c.value for c in cells if c.value is not None]
     if len(have) < len(cells):
         return Cell(complete=False, notes=[f"{what}: {len(have)}/{len(cells)} datasets, no mean"])
-    return Cell(statistics.fmean(have), complete=all(c.complete for c in cells))
+    n = min(c.n for c in cells)
+    return Cell(statistics.fmean(have), complete=all(c.complete for c in cells), n=n)
 
 
 def _has_runs(stats, table: str, row: tuple[str, str], datasets) -> bool:
@@ -180,6 +317,7 @@ def base2new_cells(stats, trainer: str, optim: str, dataset: str) -> list[Cell]:
     base, new = cells
     hm = Cell(_hm(base.value, new.value), paper_value("base2new", trainer, optim, dataset, "hm"))
     hm.complete = base.complete and new.complete
+    hm.n = min(base.n, new.n)
     return [base, new, hm]
 
 
@@ -206,6 +344,7 @@ def base2new_tables(stats, rows, datasets, avg_hm: str = "hm-of-means") -> list[
             hm.notes = []
         else:
             hm = Cell(_hm(base.value, new.value), complete=base.complete and new.complete)
+            hm.n = min(base.n, new.n)
         if tuple(datasets) == BASE2NEW_DATASETS:
             for cell, metric in zip((base, new, hm), METRICS):
                 cell.paper = paper_value("base2new", *row, "average", metric)
@@ -250,11 +389,138 @@ def ablation_table(average: Table, compare: bool) -> Table | None:
                 paper_value("ablation", "CoPrompt", optim, "average", m) if compare else None,
                 c.std,
                 c.complete,
+                n=c.n,
             )
             for c, m in zip(cells, METRICS)
         ]
         out.add(label, "CoPrompt", optim, list(zip(["average"] * 3, METRICS, cells)))
     return out if out.rows else None
+
+
+# -- paired comparisons -----------------------------------------------------------------------
+def parse_method(text: str) -> tuple[str, str]:
+    """``CoOp+SAMPLe``, ``CoOp+sample`` -> ``(CoOp, sample)``; ``CoOp``, ``CoOp+sgd`` -> sgd."""
+    trainer, _, optim = text.partition("+")
+    return trainer, optim.lower() or "sgd"
+
+
+def comparison_pairs(rows: list[tuple[str, str]], compare: list[list[str]] | None) -> list[Pair]:
+    """``--compare`` pairs, or each sharpness-aware row against its trainer's ``sgd`` row."""
+    if not compare:
+        return [Pair(r, (r[0], "sgd")) for r in rows if r[1] != "sgd" and (r[0], "sgd") in rows]
+    pairs = []
+    for a, b in compare:
+        pair = Pair(parse_method(a), parse_method(b))
+        for text, method in ((a, pair.a), (b, pair.b)):
+            if method not in rows:
+                have = ", ".join(row_title(*r) for r in rows)
+                raise GridError(f"--compare {text}: no such row in this grid (rows: {have})")
+        pairs.append(pair)
+    return pairs
+
+
+def _values(stats, key) -> dict[int, float]:
+    st = stats.get(key)
+    return dict(st.values) if st is not None else {}
+
+
+def _needed(diff: Diff | None, delta) -> int | None:
+    """Seeds that would resolve ``delta`` (``observed``: the difference itself), t-cells only."""
+    if delta is None or diff is None or diff.method != "t":
+        return None
+    return seeds_needed(diff.sd, diff.mean if delta == "observed" else float(delta))
+
+
+def _diff_table(values: Table, pairs: list[Pair], cells_of, columns: list[str]) -> Table | None:
+    """The comparisons of ``values``'s rows: ``cells_of(pair)`` gives ``[(col, metric, cell)]``."""
+    titles = {row[0] for row in values.rows}
+    out = Table(values.name, f"{values.title}: paired differences", ["a - b", *columns])
+    for pair in pairs:
+        if {row_title(*pair.a), row_title(*pair.b)} <= titles:
+            cells = cells_of(pair)
+            out.rows.append([pair.label, *(c for _, _, c in cells)])
+            out.records += [_diff_record(values.name, pair, *c) for c in cells]
+    return out if out.rows else None
+
+
+def base2new_diffs(stats, pair: Pair, dataset: str, delta=None) -> list[tuple]:
+    """Paired Base, New and per-seed HM differences of one dataset."""
+    out = []
+    per_seed = {}
+    for side in (pair.a, pair.b):
+        base = _values(stats, ("base2new", *side, dataset, "base"))
+        new = _values(stats, ("base2new", *side, dataset, "new"))
+        per_seed[side] = (base, new, per_seed_hm(base, new))
+    for i, metric in enumerate(METRICS):
+        diff = paired_diff(per_seed[pair.a][i], per_seed[pair.b][i])
+        out.append((dataset, metric, DiffCell(diff, _needed(diff, delta))))
+    return out
+
+
+def _units(stats, side, table: str, datasets, metrics, seeds_of) -> list[np.ndarray]:
+    """Per dataset ``[seeds, metrics]`` arrays of ``side`` over ``seeds_of(dataset)``."""
+    out = []
+    for d in datasets:
+        vals = [_values(stats, (table, *side, d, m)) for m in metrics]
+        out.append(np.array([[v[s] for v in vals] for s in seeds_of(d)], dtype=float))
+    return out
+
+
+def _common_seeds(stats, pair: Pair, table: str, metrics):
+    """``seeds_of(dataset)``: the seeds every metric of both methods has there."""
+
+    def seeds_of(d):
+        sets = [set(_values(stats, (table, *s, d, m))) for s in (pair.a, pair.b) for m in metrics]
+        return sorted(set.intersection(*sets))
+
+    return seeds_of
+
+
+def average_diffs(stats, pair: Pair, table: str, datasets, statistics_: list) -> list[DiffCell]:
+    """Across-dataset differences (bootstrap over dataset x seed, Wilcoxon over datasets)."""
+    metrics = ("base", "new") if table == "base2new" else ("acc",)
+    seeds_of = _common_seeds(stats, pair, table, metrics)
+    if any(not seeds_of(d) for d in datasets):
+        return [DiffCell(None) for _ in statistics_]
+    a = _units(stats, pair.a, table, datasets, metrics, seeds_of)
+    b = _units(stats, pair.b, table, datasets, metrics, seeds_of)
+    seeds = tuple(sorted(set().union(*(seeds_of(d) for d in datasets))))
+    return [DiffCell(replace(across_datasets(a, b, st), seeds=seeds)) for st in statistics_]
+
+
+def add_base2new_diffs(panels, stats, pairs, datasets, avg_hm, delta) -> None:
+    """Attach the paired comparisons to the base-to-new panels (average panel first if any)."""
+    by_title = {f"Base-to-new: {DATASET_TITLES.get(d, d)}": d for d in datasets}
+    for panel in panels:
+        if panel.title not in by_title:  # the average panel
+            hm_stat = mean_of_hms if avg_hm == "mean-of-hms" else hm_of_means
+            stats_ = [mean_of(0), mean_of(1), hm_stat]
+
+            def cells_of(pair, stats_=stats_):
+                diffs = average_diffs(stats, pair, "base2new", datasets, stats_)
+                return list(zip(["average"] * 3, METRICS, diffs))
+        else:
+
+            def cells_of(pair, dataset=by_title[panel.title]):
+                return base2new_diffs(stats, pair, dataset, delta)
+
+        panel.diffs = _diff_table(panel, pairs, cells_of, ["Base", "New", "HM"])
+
+
+def add_transfer_diffs(table: Table, stats, pairs, targets, delta) -> None:
+    """Attach the paired comparisons to a cross-dataset or domain generalization table."""
+
+    def cells_of(pair):
+        out = []
+        for d in [SOURCE_DATASET, *targets]:
+            a = _values(stats, (table.name, *pair.a, d, "acc"))
+            b = _values(stats, (table.name, *pair.b, d, "acc"))
+            diff = paired_diff(a, b)
+            out.append((d, "acc", DiffCell(diff, _needed(diff, delta))))
+        (avg,) = average_diffs(stats, pair, table.name, targets, [mean_of(0)])
+        return out + [("average", "acc", avg)]
+
+    table.diffs = _diff_table(table, pairs, cells_of, table.headers[1:])
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -271,13 +537,36 @@ def _ours(cell: Cell, std: bool) -> str:
     return text + ("" if cell.complete or cell.value is None else "*")
 
 
-def render_rows(table: Table, std: bool) -> list[list[str]]:
+def _signed(v: float) -> str:
+    text = f"{v:+.2f}"
+    return "+0.00" if text == "-0.00" else text
+
+
+def diff_text(cell: DiffCell, mark: str = MARK) -> str:
+    """``+1.23 [-0.50, +2.96]†``: difference, interval, Wilcoxon p, mark, seeds needed."""
+    d = cell.diff
+    if d is None:
+        return "-"
+    text = f"{_signed(d.mean)} " + (
+        "[n=1]" if d.lo is None else f"[{_signed(d.lo)}, {_signed(d.hi)}]"
+    )
+    if d.p is not None:
+        text += f" p={d.p:.2g}"
+    text += mark if d.contains_zero else ""
+    if cell.needed is not None:
+        text += f" need {cell.needed}"
+    return text
+
+
+def render_rows(table: Table, std: bool, mark: str = MARK) -> list[list[str]]:
     """Cells as strings: three columns per cell in base-to-new, one combined otherwise."""
     out = []
     for label, *cells in table.rows:
         row = [label]
         for cell in cells:
-            if table.name in ("base2new", "ablation"):
+            if isinstance(cell, DiffCell):
+                row.append(diff_text(cell, mark))
+            elif table.name in ("base2new", "ablation"):
                 row += [_ours(cell, std), _num(cell.paper), _num(cell.diff, signed=True)]
             elif cell.paper is None:
                 row.append(_ours(cell, std))
@@ -287,32 +576,72 @@ def render_rows(table: Table, std: bool) -> list[list[str]]:
     return out
 
 
-def render(tables: list[Table], fmt: str, std: bool = False) -> str:
-    """All tables in one format: terminal, markdown, latex or csv."""
+LATEX_MARK = "$^{\\dagger}$"
+
+
+def latex_footnote() -> str:
+    """The LaTeX footnote under a table of differences: the mark and the methods."""
+    text = describe_methods().replace("%", "\\%")
+    return (
+        "\\par\\smallskip{\\footnotesize " + LATEX_MARK + " The 95\\% interval of the "
+        "difference contains 0: the seeds do not resolve it. Methods: " + text + ".}"
+    )
+
+
+def legend(tables: list[Table], mark: str = MARK) -> list[str]:
+    """The lines under the tables: how to read the cells and the marks."""
+    lines = ["cells: ours (paper, ours - paper); * = not every seed has a result (listed)"]
+    diffs = [t.diffs for t in tables if t.diffs is not None]
+    if diffs:
+        lines.append(
+            f"differences: a - b [interval] (p: Wilcoxon, average rows; HM: of each seed's Base "
+            f"and New); {mark} = the interval contains 0: not resolved by the seeds"
+        )
+        lines.append(describe_methods())
+    if any(c.needed is not None for t in diffs for r in t.rows for c in r[1:]):
+        lines.append(
+            "need N: seeds a paired t-test would need to resolve the difference (95% interval, "
+            "80% power, the observed seed spread)"
+        )
+    return lines
+
+
+def _block(t: Table, fmt: str, std: bool, tablefmt: str) -> str:
     from tabulate import tabulate
 
+    placeholder = "DAGGERMARK" if fmt == "latex" else MARK
+    rows = render_rows(t, std, placeholder)
+    body = tabulate(rows, headers=t.headers, tablefmt=tablefmt, disable_numparse=True)
+    if fmt == "markdown":
+        return f"### {t.heading}\n\n{body}\n" + "".join(f"\n- {n}" for n in t.notes)
+    if fmt == "latex":
+        if placeholder in body:
+            body = body.replace(placeholder, LATEX_MARK) + "\n" + latex_footnote()
+        return f"% {t.heading}\n{body}" + "".join(f"\n% {n}" for n in t.notes)
+    return f"{t.heading}\n{body}" + "".join(f"\n  {n}" for n in t.notes)
+
+
+def render(tables: list[Table], fmt: str, std: bool = False) -> str:
+    """All tables (each followed by its paired differences) in one format.
+
+    ``fmt``: terminal, markdown, latex (marks as footnotes under the table) or csv.
+    """
     if fmt == "csv":
         buf = io.StringIO()
-        fields = list(tables[0].records[0]) if tables and tables[0].records else ["table"]
-        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        writer = csv.DictWriter(buf, fieldnames=RECORD_FIELDS, lineterminator="\n")
         writer.writeheader()
         for t in tables:
-            writer.writerows(t.records)
+            writer.writerows(t.records + (t.diffs.records if t.diffs else []))
         return buf.getvalue()
     tablefmt = {"terminal": "simple", "markdown": "github", "latex": "latex_booktabs"}[fmt]
     parts = []
     for t in tables:
-        body = tabulate(
-            render_rows(t, std), headers=t.headers, tablefmt=tablefmt, disable_numparse=True
-        )
-        if fmt == "markdown":
-            parts.append(f"### {t.title}\n\n{body}\n" + "".join(f"\n- {n}" for n in t.notes))
-        elif fmt == "latex":
-            parts.append(f"% {t.title}\n{body}" + "".join(f"\n% {n}" for n in t.notes))
-        else:
-            parts.append(f"{t.title}\n{body}" + "".join(f"\n  {n}" for n in t.notes))
-    legend = "cells: ours (paper, ours - paper); * = not every seed has a result (listed)"
-    return "\n\n".join(parts) + f"\n\n{'% ' if fmt == 'latex' else ''}{legend}\n"
+        parts.append(_block(t, fmt, std, tablefmt))
+        if t.diffs is not None:
+            parts.append(_block(t.diffs, fmt, std, tablefmt))
+    prefix, mark = ("% ", LATEX_MARK) if fmt == "latex" else ("", MARK)
+    lines = legend(tables, mark)
+    return "\n\n".join(parts) + "\n\n" + "".join(f"{prefix}{x}\n" for x in lines)
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -330,8 +659,26 @@ def grid_axes(grids) -> tuple[list[tuple[str, str]], list[str], dict[str, list[s
     return rows, datasets, targets
 
 
+@dataclass
+class Results:
+    """What the tables were built from (the HTML report reads it too)."""
+
+    tables: list[Table]
+    stats: dict[tuple, SeedStats]
+    folders: dict[tuple, dict[int, str]]  # same keys: {seed: run folder}
+    rows: list[tuple[str, str]]
+    datasets: list[str]
+    targets: dict[str, list[str]]
+    pairs: list[Pair]
+
+
 def build_tables(args) -> list[Table]:
     """Parse the grid's run folders and build the requested tables."""
+    return build(args).tables
+
+
+def build(args) -> Results:
+    """Parse the grid's run folders, build the requested tables and their comparisons."""
     if not args.preset and not args.trainers:
         args.preset = "paper"
     grids = grids_from_args(args)
@@ -340,9 +687,13 @@ def build_tables(args) -> list[Table]:
             "The tables have one cell per trainer x optimizer x dataset and would merge the "
             "values of a sweep: plot sweeps with tools/plot_sweep.py"
         )
-    stats = collect(expand(grids, setup_from_args(args)))
+    folders, kinds = run_folders(expand(grids, setup_from_args(args)))
+    stats = {k: collect_seeds(v, kinds[k]) for k, v in folders.items()}
+    stats = {k: s for k, s in stats.items() if s.expected > len(s.missing)}
     grid_rows, datasets, targets = grid_axes(grids)
     wanted = args.tables or TABLE_NAMES
+    pairs = comparison_pairs(grid_rows, getattr(args, "compare", None))
+    delta = getattr(args, "seeds_needed", None)
 
     def rows_of(table, names):
         return [r for r in grid_rows if args.show_empty or _has_runs(stats, table, r, names)]
@@ -351,6 +702,7 @@ def build_tables(args) -> list[Table]:
     b2n_rows = rows_of("base2new", datasets)
     if datasets and b2n_rows and {"base2new", "ablation"} & set(wanted):
         panels = base2new_tables(stats, b2n_rows, datasets, args.avg_hm)
+        add_base2new_diffs(panels, stats, pairs, datasets, args.avg_hm, delta)
         tables += panels if "base2new" in wanted else []
         if "ablation" in wanted:
             ablation = ablation_table(panels[0], tuple(datasets) == BASE2NEW_DATASETS)
@@ -359,7 +711,8 @@ def build_tables(args) -> list[Table]:
         rows = rows_of(table, [SOURCE_DATASET, *targets[table]])
         if table in wanted and targets[table] and rows:
             tables.append(transfer_table(stats, rows, table, targets[table]))
-    return tables
+            add_transfer_diffs(tables[-1], stats, pairs, targets[table], delta)
+    return Results(tables, stats, folders, grid_rows, datasets, targets, pairs)
 
 
 def _order(name: str, known: tuple) -> tuple:
@@ -384,13 +737,40 @@ def build_parser() -> argparse.ArgumentParser:
         default="hm-of-means",
         help="HM of the base-to-new average (default: HM of the averaged Base and New)",
     )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        action="append",
+        metavar=("A", "B"),
+        help="paired differences A - B of two methods (repeatable), e.g. --compare "
+        "CoOp+SAMPLe CoOp+SAM (default: each sharpness-aware row - its trainer's sgd row)",
+    )
+    parser.add_argument(
+        "--seeds-needed",
+        nargs="?",
+        const="observed",
+        metavar="DELTA",
+        help="add the seeds that would resolve each difference (the observed one, or DELTA "
+        "points) with a paired t-test: 95%% interval, 80%% power, the observed seed spread",
+    )
+    parser.add_argument("--report", metavar="DIR", help="write the HTML report DIR/index.html")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.seeds_needed not in (None, "observed"):
+        try:
+            args.seeds_needed = float(args.seeds_needed)
+        except ValueError:
+            print(
+                f"Error: --seeds-needed {args.seeds_needed}: give a number of points",
+                file=sys.stderr,
+            )
+            return 2
     try:
-        tables = build_tables(args)
+        results = build(args)
+        tables = results.tables
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
@@ -404,8 +784,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(osp.join(args.save, f"tables.{ext}"), "w") as f:
                 f.write(render(tables, fmt, args.std))
         print(f"Saved tables.txt/.md/.csv/.tex in {args.save}")
+    if args.report:
+        from tools.report import write_report
+
+        path = write_report(results, args.report, std=args.std)
+        print(f"Report: {path}")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run main() of tools.make_tables: one Table class for tools/report.py
+    from tools.make_tables import main as _main
+
+    sys.exit(_main())
