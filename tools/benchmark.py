@@ -1,7 +1,8 @@
 """Performance benchmark: training step, evaluation and data pipeline, against the reference style.
 
-Drives the registered trainers (CoOp, CoCoOp, TCP, MaPLe, CoPrompt; missing ones are skipped with
-a note) through their real step protocol (``trainer.forward_backward(batch)``) on ViT-B/16-sized
+Drives the registered trainers (CoOp, CoCoOp, TCP, MaPLe, CoPrompt, KgCoOp, IVLP, PromptSRC;
+missing ones are skipped with a note) through their real step protocol
+(``trainer.forward_backward(batch)``) on ViT-B/16-sized
 CLIP models with random weights (no download) and synthetic batches at each trainer's base-to-new
 settings (its ``tools/protocols.py`` config: batch size, context length, prompt depth, precision;
 50 base classes), for SGD (the trainer's base optimizer), SAM, SAGM and SAMPLe with the paper's
@@ -68,7 +69,7 @@ from tools._repo import ROOT  # noqa: E402
 
 logger = logging.getLogger("benchmark")
 
-TRAINERS = ("CoOp", "CoCoOp", "TCP", "MaPLe", "CoPrompt")
+TRAINERS = ("CoOp", "CoCoOp", "TCP", "MaPLe", "CoPrompt", "KgCoOp", "IVLP", "PromptSRC")
 OPTIMIZERS = ("sgd", "sam", "sagm", "sample")  # sgd: the trainer config's base optimizer
 PRECISIONS = ("fp16", "amp", "bf16", "fp32")
 # the issue's targets: JSON key -> (comparison, bound)

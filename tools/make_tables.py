@@ -610,8 +610,12 @@ def _block(t: Table, fmt: str, std: bool, tablefmt: str) -> str:
     from tabulate import tabulate
 
     placeholder = "DAGGERMARK" if fmt == "latex" else MARK
-    rows = render_rows(t, std, placeholder)
-    body = tabulate(rows, headers=t.headers, tablefmt=tablefmt, disable_numparse=True)
+    rows, headers = render_rows(t, std, placeholder), t.headers
+    if headers == B2N_HEADERS and all(c.paper is None for _, *cells in t.rows for c in cells):
+        # no published numbers (e.g. KgCoOp, IVLP, PromptSRC): no paper/diff columns
+        keep = [i for i, h in enumerate(headers) if not h.endswith((" paper", " diff"))]
+        headers, rows = [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
+    body = tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
     if fmt == "markdown":
         return f"### {t.heading}\n\n{body}\n" + "".join(f"\n- {n}" for n in t.notes)
     if fmt == "latex":

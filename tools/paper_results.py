@@ -38,6 +38,9 @@ PAPER_CSV = osp.join(osp.dirname(osp.abspath(__file__)), "paper_results.csv")
 
 TABLES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 TRAINERS = ("CoOp", "CoCoOp", "MaPLe", "CoPrompt", "TCP")
+# trainers the paper has no numbers for (their tables have no paper column; tools/grid.py's
+# "extra" presets)
+EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC")
 OPTIMIZERS = ("sgd", "sam", "fsam", "sagm", "sample")
 BASE2NEW_DATASETS = (
     "imagenet",

@@ -53,13 +53,20 @@ BASE2NEW_CFG = {
     "MaPLe": "vit_b16_c2_ep5_batch4_2ctx",
     "CoPrompt": "vit_b16_c2_ep8_batch4_2ctx",
     "TCP": "vit_b16_ep100_ctxv1",
+    "KgCoOp": "vit_b16_ep100_ctxv1",
+    # PromptSRC's "vit_b16_c2_ep20_batch4_4+4ctx" under a name without '+' (a link to it)
+    "IVLP": "vit_b16_c2_ep20_batch4_4x4ctx",
+    "PromptSRC": "vit_b16_c2_ep20_batch4_4x4ctx",
 }
 DATASET_CFG = {  # base-to-new exceptions (the original scripts' per-dataset epochs)
     ("CoOp", "imagenet"): "vit_b16_ep50_ctxv1",
     ("TCP", "imagenet"): "vit_b16_ep25_ctxv1",
     ("TCP", "sun397"): "vit_b16_ep25_ctxv1",
 }
-TRANSFER_CFG = {"MaPLe": "vit_b16_c2_ep5_batch4_2ctx_cross_datasets"}
+TRANSFER_CFG = {
+    "MaPLe": "vit_b16_c2_ep5_batch4_2ctx_cross_datasets",
+    "PromptSRC": "vit_b16_c2_ep5_batch4_4x4ctx_cross_datasets",  # "..._4+4ctx_..." (a link)
+}
 # Options a config needs with every sharpness-aware optimizer: the staged optimizer configs
 # switch at OPTIM.SAM.START_EPOCH 3, past the 2 epochs of MaPLe's cross-dataset config.
 SAM_CFG_OPTS = {

@@ -111,7 +111,7 @@ class KgCoOp(PromptTrainer):
     """Knowledge-guided Context Optimization (KgCoOp): CoOp + W * (1 - mean cos(text, t_clip)).
 
     Image features once per step (frozen encoder, ``prepare_step``), text features once per
-    evaluation (CoOp's :class:`trainers.common.PromptTrainer`).
+    evaluation (:class:`trainers.common.PromptTrainer`).
     """
 
     add_config = staticmethod(add_kgcoop_config)
