@@ -141,7 +141,12 @@ _C.OPTIM.WARMUP_RECOUNT = True  # restart the main schedule's epoch count after 
 # Sharpness-aware wrapper around the base optimizer (see optim/ and the README's table).
 _C.OPTIM.SAM = CN()
 _C.OPTIM.SAM.NAME = ""  # "" (plain base optimizer) | sam | fsam | sagm | sample
-_C.OPTIM.SAM.VARIANT = "paper"  # paper (equations as written) | reference (released code)
+# paper (the equations as written) | reference (the released code) | reference-cocoop (sample
+# only: the SAMPLe authors' CoCoOp copy, SAGM-like without the moving average)
+_C.OPTIM.SAM.VARIANT = "paper"
+# Update gradient of sagm/sample: "" (the variant's own: paper g + g_p, reference mean) |
+# sum (g + g_p) | mean (0.5 g + 0.5 g_p; with SGD half the step of sum). Ignored by sam/fsam.
+_C.OPTIM.SAM.UPDATE = ""
 _C.OPTIM.SAM.RHO = 0.05  # perturbation radius rho
 _C.OPTIM.SAM.ALPHA = 0.0015  # SAGM/SAMPLe step alpha along the (batch-specific) gradient
 _C.OPTIM.SAM.LAMBDA = 0.15  # F-SAM/SAMPLe moving-average factor lambda of the full-gradient EMA

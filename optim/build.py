@@ -64,7 +64,8 @@ SAM_HPARAMS = {
         HParam("LAMBDA", "lam", 0.15, "moving-average factor lambda"),
         HParam("SIGMA", "sigma", 1.0, "F-SAM scale of the removed full-gradient component"),
         HParam("ADAPTIVE", "adaptive", False, "ASAM's scale-invariant perturbation"),
-        HParam("VARIANT", "variant", "paper", "paper | reference"),
+        HParam("VARIANT", "variant", "paper", "paper | reference | reference-cocoop (sample)"),
+        HParam("UPDATE", "update", "", "SAGM/SAMPLe update: '' (variant's) | sum | mean"),
         HParam("SCHEDULE", "schedule", "constant", "constant | inv_sqrt"),
     )
 }

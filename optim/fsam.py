@@ -18,8 +18,9 @@ Paper vs reference (the released code, nblt/F-SAM), documented differences:
   subtracts the *old* one, ``d = g_t - sigma * m_{t-1}``, and only then updates
   ``m_t = lam * m_{t-1} + (1 - lam) * g_t``.
 - Otherwise identical: SAM's perturbation on ``d`` with eps 1e-12, restore, base step with
-  ``g_p``. The reference restores by subtracting ``e``; both variants here restore from saved
-  copies (bit-exact; the difference is rounding only).
+  ``g_p``. The reference's order of operations is followed (``d = g - m * sigma``,
+  ``m * lam + g * (1 - lam)``, ``e = d * (rho / (||d|| + 1e-12))``); it restores by subtracting
+  ``e``, both variants here from saved copies (bit-exact; the difference is rounding only).
 
 ``lam`` and ``sigma`` are global in the reference; here they may also be set per param group
 (the moving average is per tensor anyway; the norm of ``d`` stays global), like ``rho``.
@@ -36,7 +37,14 @@ from __future__ import annotations
 import torch
 
 from .build import register_optimizer
-from .sharpness import EPS, SharpnessAwareOptimizer, cosine, global_dot, global_norm
+from .sharpness import (
+    EPS,
+    SharpnessAwareOptimizer,
+    cosine,
+    ema_update,
+    global_dot,
+    global_norm,
+)
 
 
 class FSAM(SharpnessAwareOptimizer):
@@ -75,17 +83,17 @@ class FSAM(SharpnessAwareOptimizer):
                 m_t = gi.clone() if self.variant == "reference" else gi * (1 - lam)
                 used.append(torch.zeros_like(gi) if self.variant == "reference" else m_t)
             else:
-                m_t = m.mul(lam).add_(gi, alpha=1 - lam)
+                m_t = ema_update(m, gi, lam)
                 used.append(m if self.variant == "reference" else m_t)
             new.append(m_t)
         d = [gi - group["sigma"] * m for group, gi, m in zip(fp.groups, g, used)]
         d_norm = global_norm(d)
-        inv = 1.0 / (d_norm + EPS)
+        denom = d_norm + EPS
         fp.ema = new
         fp.stats["ema_norm"] = global_norm(new)
         fp.stats["xi"] = cosine(global_dot(g, used), g_norm, global_norm(used))
         fp.stats["gb_norm"] = d_norm
-        return [di * (inv * (group["rho"] * scale)) for group, di in zip(fp.groups, d)]
+        return [di * (group["rho"] * scale / denom) for group, di in zip(fp.groups, d)]
 
 
 register_optimizer(

@@ -11,9 +11,20 @@ Paper vs reference (the released code, Wang-pengfei/SAGM), documented difference
 - Update gradient: the paper's objective (and the SAMPLe paper's SAGM/SAMPLe update, Eq.
   ``obj_fn_1``) sums the two gradients, ``G = g + g_p`` ("paper"); the reference averages
   them, ``G = 0.5 * g + 0.5 * g_p`` ("reference"; the same as halving the learning rate with
-  SGD, not with Adam).
+  SGD, not with Adam). ``update`` ("sum" or "mean"; ``OPTIM.SAM.UPDATE``) overrides the
+  variant's rule.
 - Restore: the reference subtracts the stored ``e_w`` (inexact in low precision); both
-  variants here restore from saved copies (bit-exact; the difference is rounding only).
+  variants here restore from saved copies (bit-exact; the difference is rounding only). The
+  reference's order of operations is followed otherwise: ``e_w = g * (rho / (||g|| + 1e-12) -
+  alpha)`` and the mean as ``g_p + (0.5 * g - 0.5 * g_p)``.
+
+Which update the project's configs use: every ``configs/optim/**/sagm.yaml`` sets
+``OPTIM.SAM.UPDATE mean`` explicitly. The numbers in the SAMPLe paper's tables come from code
+that averages (SAGM's own code, and the SAMPLe authors' code, whose optimizer without the
+exploration term is SAGM); with SGD (CoOp, CoCoOp, MaPLe, CoPrompt, TCP) "sum" would train
+the SAGM rows at twice the effective learning rate of the SGD/SAM/F-SAM rows at the same
+``OPTIM.LR``, which the paper does not report. The paper variant's own rule stays "sum"
+(``OPTIM.SAM.UPDATE ""`` or ``sum`` selects it).
 - The reference drives rho through a linear scheduler whose max equals its min (a constant);
   here rho is constant, or rho / sqrt(t) with ``schedule="inv_sqrt"`` (alpha likewise).
 
@@ -39,6 +50,7 @@ class SAGM(SharpnessAwareOptimizer):
         alpha: step (>= 0) back along ``g`` at the perturbed point.
         variant: "paper" (update with g + g_p) or "reference" (0.5 * g + 0.5 * g_p).
         schedule: "constant" or "inv_sqrt" (rho / sqrt(t) and alpha / sqrt(t)).
+        update: "" (the variant's rule), "sum" (g + g_p) or "mean" (0.5 * g + 0.5 * g_p).
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
@@ -52,10 +64,11 @@ class SAGM(SharpnessAwareOptimizer):
         alpha: float = 0.001,
         variant: str = "paper",
         schedule: str = "constant",
+        update: str = "",
         **base_kwargs,
     ):
         defaults = dict(rho=rho, alpha=alpha)
-        super().__init__(params, base_optimizer, defaults, variant, schedule, **base_kwargs)
+        super().__init__(params, base_optimizer, defaults, variant, schedule, update, **base_kwargs)
 
     def _perturbation(self, fp, g, g_norm, scale):
         return sagm_perturbation(fp.groups, g, g_norm, scale)
@@ -64,9 +77,9 @@ class SAGM(SharpnessAwareOptimizer):
 register_optimizer(
     "sagm",
     SAGM,
-    "SAGM (Wang et al. 2023): SAM plus a step back along the gradient, update g + g_p",
+    "SAGM (Wang et al. 2023): SAM plus a step back along the gradient, update g + g_p or mean",
     kind="sharpness",
     needs_closure=True,
-    hparams=("RHO", "ALPHA", "VARIANT", "SCHEDULE"),
+    hparams=("RHO", "ALPHA", "VARIANT", "UPDATE", "SCHEDULE"),
     test_kwargs=dict(rho=0.05, alpha=0.01),
 )

@@ -13,9 +13,14 @@ Kwon et al., Eq. 12 with the element-wise operator ``T_w = |w|``). ``rho`` and `
 may be set per param group (the norm stays global), as in davda54/sam.
 
 Paper vs reference: identical. Both variants implement the equations above, which are also
-the de-facto reference code's (davda54/sam), with two improvements that do not change the
-trajectory: the state dict includes the base optimizer's state (momentum survives a resume),
-and parameters are restored from saved copies (bit-exact in fp16) instead of by subtraction.
+the de-facto reference code's (davda54/sam) and the SAM of the SAMPLe authors' CoOp, CoCoOp
+and MaPLe trainers, with the reference's order of operations (``e = g * (rho / (||g|| + eps))``;
+ASAM ``e = (p^2 * g) * (rho / (||(|p| * g)|| + eps))``) and two improvements that do not change
+the trajectory: the state dict includes the base optimizer's state (momentum survives a
+resume), and parameters are restored from saved copies (bit-exact in fp16) instead of by
+subtraction (the only rounding difference from the reference). (The SAM copy of the SAMPLe
+authors' PromptSRC trainer updates with ``0.5 * g + 0.5 * g_p``; that trainer is not in the
+paper's tables and is not emulated.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .build import register_optimizer
-from .sharpness import EPS, SharpnessAwareOptimizer, global_norm
+from .sharpness import EPS, SharpnessAwareOptimizer, acc_dtype, global_norm
 
 
 class SAM(SharpnessAwareOptimizer):
@@ -54,14 +59,14 @@ class SAM(SharpnessAwareOptimizer):
 
     def _perturbation(self, fp, g, g_norm, scale):
         weights = [
-            p.detach().float().abs() if gr["adaptive"] else None
+            p.detach().to(acc_dtype(p)).abs() if gr["adaptive"] else None
             for gr, p in zip(fp.groups, fp.params)
         ]
         if any(w is not None for w in weights):
             g_norm = global_norm(gi if w is None else w * gi for gi, w in zip(g, weights))
-        inv = 1.0 / (g_norm + EPS)
+        denom = g_norm + EPS
         return [
-            (gi if w is None else w * w * gi) * (inv * (group["rho"] * scale))
+            (gi if w is None else w * w * gi) * (group["rho"] * scale / denom)
             for group, gi, w in zip(fp.groups, g, weights)
         ]
 

@@ -19,36 +19,61 @@ to the bit; in the reference variant ``g_B`` is replaced by ``g`` in its own for
 cosine and ratio carry a zero-only guard, so a zero gradient or average gives ``xi = 0``.
 With ``schedule="inv_sqrt"`` rho and alpha are divided by sqrt(t) (the convergence theorem).
 
-Variant "reference" reproduces the authors' released code (HRajoliN/Sharpness-Aware-
-Minimization-in-VLMs); documented differences from the paper:
+Variant "reference" reproduces the authors' released optimizer (HRajoliN/Sharpness-Aware-
+Minimization-in-VLMs: the copy used by its CoOp, MaPLe and PromptSRC trainers); differences
+from the paper:
 
 - Update gradient ``0.5 * g + 0.5 * g_p`` instead of ``g + g_p``.
-- First step (this optimizer's step 1): ``m = g`` (not ``(1 - lam) * g``) and
+- First step of each tensor (it has no average yet): ``m = g`` (not ``(1 - lam) * g``) and
   ``e = rho * g / ||g||`` with no alpha term and no epsilon (a guard acts only on an exact
-  zero norm, where the released code gives NaN).
-- Later steps: ``m = lam * m + (1 - lam) * g`` before use (as in the paper);
-  ``n = ||g|| + 1e-10``, ``n_m = ||m|| + 1e-10``; ``xi`` is a cosine per row of each tensor
-  (``torch.nn.functional.cosine_similarity`` along dim 1 of a 2-D tensor: one cosine per
-  context token of an ``(n_ctx, dim)`` prompt) instead of one global cosine; and
-  ``e = rho * g / n - alpha * (g - xi * (n / n_m) * m)``. Rows are generalised as: a 2-D
-  tensor as in the released code; a 1-D or 0-d tensor is one row (the released code crashes
-  on 1-D tensors); a tensor with more dimensions is flattened to ``(shape[0], -1)``, one
-  cosine per leading index.
-- A tensor that first gets a gradient after step 1 starts its average at ``m = g`` (then
-  follows the later-step rule).
-- Restores from saved copies instead of subtracting ``e`` (rounding only).
+  zero norm, where the released code gives NaN). A tensor that first gets a gradient after
+  other tensors have averages takes this rule too (the released code: the same, or a
+  KeyError when such a tensor comes after one with an average, see below).
+- Later steps, tensor by tensor in parameter order (the released code loops over the model's
+  parameters; here the order of the param groups, the same when the groups were built from
+  ``model.parameters()`` as Dassl does): the tensor's average is updated in place,
+  ``m_k = lam * m_k + (1 - lam) * g_k``, and then ``n = ||g|| + 1e-10`` and
+  ``n_m = ||m|| + 1e-10`` are computed from the averages *as they are at that moment*. So the
+  k-th tensor sees the mixed norm::
 
-The one intentional deviation from the released code: it computes the global ``||m||`` while
-updating the tensors one by one, so with several tensors the norm mixes old and new averages;
-here ``n_m`` is the norm of the new average of every tensor. The released trainers' extra
-per-batch LR-scheduler step is a trainer bug and not an optimizer matter.
+      n_m(k) = sqrt(sum_{j <= k} ||m_j(t)||^2 + sum_{j > k} ||m_j(t-1)||^2) + 1e-10
+
+  (tensors before it and itself already updated, those after it not yet; a tensor after it
+  without an average counts 0, where the released code raises a KeyError). Only the last
+  tensor sees the norm of the new averages; with one tensor there is no mixing.
+- ``xi`` is a cosine per row (``torch.nn.functional.cosine_similarity(m_k, g_k, dim=1)``,
+  unsqueezed at dim 1 to broadcast: one cosine per context token of an ``(n_ctx, dim)``
+  prompt; for a tensor of 3 or more dimensions the released expression's cosine along dim 1
+  per index of the other dimensions) instead of one global cosine, and
+  ``e = rho * g / n - alpha * (g - xi * (n / n_m(k)) * m_k)``. A 1-D or 0-d tensor is one
+  row (the released code crashes on 1-D tensors).
+- Restores from saved copies instead of subtracting ``e`` (rounding only). Its order of
+  operations is otherwise followed (``(rho / n) * g``, ``(xi * (n / n_m)) * m``,
+  ``lam * m + ((1 - lam) * g)``, the mean as ``g_p + (0.5 * g - 0.5 * g_p)``), so in fp32 the
+  step rounds as the released one. Its ``NORMALIZATION`` and ``ADAPTIVE`` options (off in its
+  scripts' defaults) are not emulated; its rho "scheduler" is a constant.
+
+Variant "reference-cocoop" reproduces the copy of the optimizer used by the released CoCoOp
+trainer, in which the moving average and the exploration term are commented out: every step
+(the first too) perturbs by ``e = (rho / ||g||) * g - alpha * g`` (no epsilon, the same zero
+guard) and updates with ``0.5 * g + 0.5 * g_p``. That is SAGM with eps 0 and the mean update;
+no average is kept, and ``lam`` and ``exploration`` have no effect.
+
+Update gradient: ``update`` (``OPTIM.SAM.UPDATE``: "sum" or "mean") overrides the variant's
+rule ("paper": sum; "reference", "reference-cocoop": mean). Every
+``configs/optim/**/sample.yaml`` sets ``mean``: the published numbers come from the released
+code, which averages, and with SGD "sum" would train the SAMPLe rows at twice the effective
+learning rate of the SGD/SAM/F-SAM rows at the same ``OPTIM.LR`` (the convergence proof's
+``g + g_p`` differs from the mean by that factor on the learning rate only). The released
+trainers' extra per-batch LR-scheduler step is a trainer matter, not an optimizer one.
 
 ``rho``, ``alpha`` and ``lam`` may be set per param group; ``xi``, ``sigma`` and the norms are
 global. Defaults follow the paper's hyper-parameter table for CoOp (rho 0.05, alpha 0.0015,
 lam 0.15). Diagnostics besides the common ones: ``ema_norm`` (``||m_t||``), ``xi`` (the
 global ``cos(g, m_t)``; the reference variant uses the per-row cosines), ``gb_norm``
-(``||g_B||`` of the vector actually used: ``g`` with ``exploration=False``, 0 at a reference
-first step) and ``cos_gp_m`` (``cos(g_p, m_t)``).
+(``||g_B||`` of the vector actually used: ``g`` with ``exploration=False`` or
+"reference-cocoop", 0 for a tensor at its reference first step) and ``cos_gp_m``
+(``cos(g_p, m_t)``; not for "reference-cocoop", which keeps no average).
 """
 
 from __future__ import annotations
@@ -62,28 +87,30 @@ from .sharpness import (
     TINY,
     SharpnessAwareOptimizer,
     cosine,
+    ema_update,
     global_dot,
     global_norm,
     sagm_perturbation,
+    stack_norm,
+    tensor_norm,
 )
 
 REF_EPS = 1e-10  # the released code's epsilon on ||g|| and ||m||
 
 
-def row_cosine(a: Tensor, b: Tensor) -> Tensor:
-    """Cosine of ``a`` and ``b`` per row, shaped to broadcast against ``a``.
+def row_cosine(m: Tensor, g: Tensor) -> Tensor:
+    """The released code's per-row cosine of ``m`` and ``g``, shaped to broadcast against ``g``.
 
-    Rows: a 2-D tensor's rows (dim-1 cosine, as the released SAMPLe code); a 0-d or 1-D tensor
-    is one row; an N-D tensor is flattened to ``(shape[0], -1)``.
+    ``cosine_similarity(m, g, dim=1)`` unsqueezed at dim 1 (for a 2-D tensor one cosine per
+    row); a 0-d or 1-D tensor is one row (a 0-d result).
     """
-    if a.dim() < 2:
-        return F.cosine_similarity(a.reshape(1, -1), b.reshape(1, -1), dim=1).reshape(())
-    cos = F.cosine_similarity(a.flatten(1), b.flatten(1), dim=1)  # [rows]
-    return cos.reshape((-1,) + (1,) * (a.dim() - 1))
+    if g.dim() < 2:
+        return F.cosine_similarity(m.reshape(1, -1), g.reshape(1, -1), dim=1).reshape(())
+    return F.cosine_similarity(m, g, dim=1).unsqueeze(1)
 
 
 class SAMPLe(SharpnessAwareOptimizer):
-    """SAMPLe; see the module docstring for the equations and the two variants.
+    """SAMPLe; see the module docstring for the equations and the variants.
 
     Args:
         params: parameters or param-group dicts.
@@ -91,13 +118,16 @@ class SAMPLe(SharpnessAwareOptimizer):
         rho: perturbation radius (>= 0).
         alpha: step (>= 0) back along the batch-specific gradient ``g_B``.
         lam: moving-average factor lambda in [0, 1).
-        variant: "paper" (update with g + g_p) or "reference" (the released code).
+        variant: "paper" (update with g + g_p), "reference" (the released code) or
+            "reference-cocoop" (the released CoCoOp copy: SAGM-like, no average).
         schedule: "constant" or "inv_sqrt" (rho / sqrt(t) and alpha / sqrt(t)).
+        update: "" (the variant's rule), "sum" (g + g_p) or "mean" (0.5 * g + 0.5 * g_p).
         exploration: False replaces ``g_B`` by ``g`` (ablation; then SAMPLe is SAGM).
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
-    UPDATE = {"paper": "sum", "reference": "mean"}
+    VARIANTS = ("paper", "reference", "reference-cocoop")
+    UPDATE = {"paper": "sum", "reference": "mean", "reference-cocoop": "mean"}
 
     def __init__(
         self,
@@ -108,33 +138,26 @@ class SAMPLe(SharpnessAwareOptimizer):
         lam: float = 0.15,
         variant: str = "paper",
         schedule: str = "constant",
+        update: str = "",
         exploration: bool = True,
         **base_kwargs,
     ):
         self.exploration = exploration
         defaults = dict(rho=rho, alpha=alpha, lam=lam)
-        super().__init__(params, base_optimizer, defaults, variant, schedule, **base_kwargs)
+        super().__init__(params, base_optimizer, defaults, variant, schedule, update, **base_kwargs)
 
     def _perturbation(self, fp, g, g_norm, scale):
-        ref = self.variant == "reference"
-        if ref and fp.t == 1:  # released code, first step: m = g, plain SAM without epsilon
-            fp.ema = [gi.clone() for gi in g]
-            fp.stats.update(ema_norm=g_norm, xi=cosine(global_dot(g, g), g_norm, g_norm))
-            fp.stats["gb_norm"] = torch.zeros_like(g_norm)
-            inv = 1.0 / g_norm.clamp_min(TINY)
-            return [gi * (inv * (gr["rho"] * scale)) for gr, gi in zip(fp.groups, g)]
+        if self.variant == "reference-cocoop":
+            return self._cocoop_perturbation(fp, g, g_norm, scale)
+        if self.variant == "reference":
+            return self._reference_perturbation(fp, g, g_norm, scale)
         fp.ema = []
         for group, p, gi in zip(fp.groups, fp.params, g):
-            m, lam = self._ema(p), group["lam"]
-            if m is None:
-                fp.ema.append(gi.clone() if ref else gi * (1 - lam))
-            else:
-                fp.ema.append(m.mul(lam).add_(gi, alpha=1 - lam))
+            m = self._ema(p)
+            fp.ema.append(gi * (1 - group["lam"]) if m is None else ema_update(m, gi, group["lam"]))
         m_norm = global_norm(fp.ema)
         xi = cosine(global_dot(fp.ema, g), g_norm, m_norm)
         fp.stats.update(ema_norm=m_norm, xi=xi)
-        if ref:
-            return self._reference_perturbation(fp, g, g_norm, m_norm, scale)
         e = sagm_perturbation(fp.groups, g, g_norm, scale)
         if not self.exploration:
             fp.stats["gb_norm"] = g_norm
@@ -145,16 +168,41 @@ class SAMPLe(SharpnessAwareOptimizer):
             ei.add_(m * (coef * (group["alpha"] * scale)))
         return e
 
-    def _reference_perturbation(self, fp, g, g_norm, m_norm, scale):
-        n, ratio = g_norm + REF_EPS, (g_norm + REF_EPS) / (m_norm + REF_EPS)
-        if self.exploration:
-            g_b = [gi - row_cosine(gi, m) * ratio * m for gi, m in zip(g, fp.ema)]
-        else:
-            g_b = g
+    def _reference_perturbation(self, fp, g, g_norm, scale):
+        """The released code's loop: update m_k in place, then use the norm of the averages as
+        they are (tensors 1..k new, k+1.. old); a tensor without an average: m = g, plain SAM."""
+        old = [self._ema(p) for p in fp.params]
+        fp.ema = [
+            gi.clone() if m is None else ema_update(m, gi, group["lam"])
+            for group, gi, m in zip(fp.groups, g, old)
+        ]
+        new_norms = [tensor_norm(m) for m in fp.ema]
+        zero = torch.zeros_like(g_norm)
+        old_norms = [zero if m is None else tensor_norm(m) for m in old]
+        n = g_norm + REF_EPS
+        e, g_b = [], []
+        for k, (group, gi, m) in enumerate(zip(fp.groups, g, fp.ema)):
+            rho, alpha = group["rho"] * scale, group["alpha"] * scale
+            if old[k] is None:  # this tensor's first step: m = g, e = rho g / ||g||
+                e.append(gi * (rho / g_norm.clamp_min(TINY)))
+                g_b.append(torch.zeros_like(gi))
+                continue
+            n_m = stack_norm(new_norms[: k + 1] + old_norms[k + 1 :]) + REF_EPS  # mixed
+            gbi = gi - row_cosine(m, gi) * (n / n_m) * m if self.exploration else gi
+            e.append(gi * (rho / n) - alpha * gbi)
+            g_b.append(gbi)
+        m_norm = stack_norm(new_norms)
+        fp.stats.update(ema_norm=m_norm, xi=cosine(global_dot(fp.ema, g), g_norm, m_norm))
         fp.stats["gb_norm"] = global_norm(g_b)
+        return e
+
+    def _cocoop_perturbation(self, fp, g, g_norm, scale):
+        """The released CoCoOp copy: ``e = (rho / ||g||) g - alpha g`` every step, no average."""
+        fp.stats["gb_norm"] = g_norm
+        norm = g_norm.clamp_min(TINY)
         return [
-            gi * (gr["rho"] * scale / n) - (gr["alpha"] * scale) * gbi
-            for gr, gi, gbi in zip(fp.groups, g, g_b)
+            gi * (gr["rho"] * scale / norm) - (gr["alpha"] * scale) * gi
+            for gr, gi in zip(fp.groups, g)
         ]
 
 
@@ -164,6 +212,6 @@ register_optimizer(
     "SAMPLe: SAM plus a step back along the batch-specific gradient (orthogonal to its EMA)",
     kind="sharpness",
     needs_closure=True,
-    hparams=("RHO", "ALPHA", "LAMBDA", "VARIANT", "SCHEDULE"),
+    hparams=("RHO", "ALPHA", "LAMBDA", "VARIANT", "UPDATE", "SCHEDULE"),
     test_kwargs=dict(rho=0.05, alpha=0.01, lam=0.5),
 )

@@ -4,7 +4,8 @@ Every optimizer of this family takes two gradients on the same mini-batch per up
 the current parameters ``theta`` and ``g_p`` at a perturbed point ``theta + e``, then lets a base
 optimizer (SGD, Adam, ...) step with a gradient formed from ``g`` and ``g_p``. The subclasses
 differ only in how ``e`` is computed (:meth:`SharpnessAwareOptimizer._perturbation`), in which
-update gradient is formed (``UPDATE``) and in whether they keep a moving average of ``g``.
+update gradient is formed (``update``: ``g_p``, ``g + g_p`` or ``0.5 * g + 0.5 * g_p``) and in
+whether they keep a moving average of ``g``.
 
 Step protocol (identical for every subclass):
 
@@ -31,18 +32,24 @@ the old one in ``second_step``, and the step counter ``num_steps`` (which drives
 counter) and does not touch the base optimizer; it leaves ``.grad`` as it is and keeps the
 ``last_stats`` of the last completed step.
 
-Numerics: norms, cosines and the moving averages are fp32 whatever the parameter dtype; the
-saved copies are in the parameter dtype, so restoring is bit-exact. A zero gradient gives a zero
+Numerics: norms, dot products, cosines, the moving averages and ``e`` are computed in the
+parameter's dtype promoted to at least fp32 (:func:`acc_dtype`: fp16/bf16 -> fp32, fp32 -> fp32,
+fp64 -> fp64); the saved copies are in the parameter dtype, so restoring is bit-exact. Where the
+reference code's order of operations is known it is followed (``rho / (||g|| + eps)`` before
+the product with ``g``, ``lam * m + (1 - lam) * g`` as two products, the mean as
+``g_p + (0.5 * g - 0.5 * g_p)``), so a reference variant in fp32 rounds as the released code
+does; the one difference left is the restore from copies. A zero gradient gives a zero
 perturbation, never NaN (eps guards, no Python branch on tensor values: the step makes no
 host-device synchronisation). ``||.||`` is the global L2 norm over every parameter of every
 param group that has a gradient this step; parameters without one are neither perturbed, nor
 restored, nor updated. All parameters are assumed to live on one device.
 
 Hyper-parameters live in ``defaults`` and may be overridden per param group (``rho``, ``alpha``,
-``lam``, ``sigma``, ``adaptive``); norms and cosines stay global. ``variant`` ("paper" or
-"reference") and ``schedule`` ("constant" or "inv_sqrt": ``rho_t = rho / sqrt(t)`` and
-``alpha_t = alpha / sqrt(t)``, t = 1, 2, ... this optimizer's steps, as in the SAMPLe paper's
-convergence theorem) are global.
+``lam``, ``sigma``, ``adaptive``); norms and cosines stay global. ``variant`` ("paper",
+"reference"; SAMPLe also "reference-cocoop"), ``update`` ("" for the variant's own rule, "sum"
+or "mean"; SAGM and SAMPLe only) and ``schedule`` ("constant" or "inv_sqrt":
+``rho_t = rho / sqrt(t)`` and ``alpha_t = alpha / sqrt(t)``, t = 1, 2, ... this optimizer's
+steps, as in the SAMPLe paper's convergence theorem) are global.
 """
 
 from __future__ import annotations
@@ -62,20 +69,44 @@ logger = logging.getLogger(__name__)
 
 EPS = 1e-12  # the epsilon of SAM-style normalisations (davda54/sam, F-SAM, SAGM)
 TINY = torch.finfo(torch.float32).tiny  # a guard that only acts on an exact zero
-VARIANTS = ("paper", "reference")
+# Every variant name some optimizer accepts (the config check); each class lists its own.
+VARIANTS = ("paper", "reference", "reference-cocoop")
+UPDATES = ("", "sum", "mean")  # OPTIM.SAM.UPDATE: "" is the variant's own rule
 SCHEDULES = ("constant", "inv_sqrt")
 
 
+def acc_dtype(t: Tensor) -> torch.dtype:
+    """The dtype of the optimizer arithmetic on ``t``: its dtype promoted to at least fp32."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def tensor_norm(t: Tensor) -> Tensor:
+    """The L2 norm of ``t`` in :func:`acc_dtype` (a 0-d tensor)."""
+    return torch.linalg.vector_norm(t, dtype=acc_dtype(t))
+
+
+def stack_norm(norms: Sequence[Tensor]) -> Tensor:
+    """The L2 norm of a vector whose pieces have the 0-d L2 norms ``norms``."""
+    return torch.linalg.vector_norm(torch.stack(list(norms)))
+
+
 def global_norm(tensors: Iterable[Tensor]) -> Tensor:
-    """The fp32 L2 norm of the concatenation of ``tensors`` (a 0-d tensor)."""
-    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    """The L2 norm (at least fp32) of the concatenation of ``tensors`` (a 0-d tensor)."""
+    return stack_norm([tensor_norm(t) for t in tensors])
 
 
 def global_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
-    """The fp32 inner product of two lists of tensors seen as one vector each."""
-    dots = [torch.dot(x.float().flatten(), y.float().flatten()) for x, y in zip(a, b)]
+    """The inner product (at least fp32) of two lists of tensors seen as one vector each."""
+    dots = []
+    for x, y in zip(a, b):
+        dtype = torch.promote_types(acc_dtype(x), y.dtype)
+        dots.append(torch.dot(x.to(dtype).flatten(), y.to(dtype).flatten()))
     return torch.stack(dots).sum()
+
+
+def ema_update(m: Tensor, g: Tensor, lam: float) -> Tensor:
+    """``lam * m + (1 - lam) * g`` as a new tensor (two products, as the reference codes)."""
+    return m.mul(lam).add_(g * (1 - lam))
 
 
 def cosine(dot: Tensor, norm_a: Tensor, norm_b: Tensor) -> Tensor:
@@ -91,8 +122,8 @@ def sagm_perturbation(
     Shared by SAGM and SAMPLe (whose ascent-and-descent part it is) so that SAMPLe without its
     exploration term is SAGM to the bit.
     """
-    inv = 1.0 / (g_norm + EPS)
-    return [gi * (inv * (gr["rho"] * scale) - gr["alpha"] * scale) for gr, gi in zip(groups, g)]
+    denom = g_norm + EPS
+    return [gi * (gr["rho"] * scale / denom - gr["alpha"] * scale) for gr, gi in zip(groups, g)]
 
 
 def check_hparams(group: dict) -> None:
@@ -116,8 +147,8 @@ class FirstPass:
         params: the parameters that had a gradient at ``first_step``.
         backup: copies of ``params`` before the perturbation (parameter dtype).
         grads: copies of the first-pass gradients ``g`` (gradient dtype).
-        ema: the new moving average (fp32) to commit, or None for optimizers without one.
-        stats: first-pass diagnostics (0-d fp32 tensors).
+        ema: the new moving average (at least fp32) to commit, or None for optimizers without.
+        stats: first-pass diagnostics (0-d tensors, at least fp32).
     """
 
     t: int
@@ -133,8 +164,10 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
     """Base class: a wrapper around a base optimizer that steps with a perturbed gradient.
 
     Subclasses pass their hyper-parameters as ``defaults`` and implement :meth:`_perturbation`;
-    ``UPDATE`` maps the variant to the update gradient: "perturbed" (``g_p``), "sum"
-    (``g + g_p``) or "mean" (``0.5 * g + 0.5 * g_p``).
+    ``VARIANTS`` lists the variants a class accepts and ``UPDATE`` maps each to its own update
+    gradient: "perturbed" (``g_p``), "sum" (``g + g_p``) or "mean" (``0.5 * g + 0.5 * g_p``).
+    A class whose rule is not "perturbed" also accepts ``update`` ("sum" or "mean") to override
+    it (SAGM, SAMPLe: ``OPTIM.SAM.UPDATE``).
 
     Args:
         params: parameters or param-group dicts.
@@ -142,17 +175,22 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             ``base_optimizer(self.param_groups, **base_kwargs)``; its ``param_groups`` list is
             this wrapper's ``param_groups`` (an LR scheduler may act on either).
         defaults: the subclass's hyper-parameters (validated, overridable per group).
-        variant: "paper" (the equations as written) or "reference" (the released code).
+        variant: "paper" (the equations as written) or "reference" (the released code); a
+            subclass may accept more (``VARIANTS``).
         schedule: "constant" or "inv_sqrt" (rho and alpha divided by sqrt(t)).
+        update: "" (the variant's own rule, ``UPDATE[variant]``), "sum" or "mean"; only for
+            classes whose own rule combines ``g`` and ``g_p``.
         **base_kwargs: passed to the base optimizer (lr, momentum, weight_decay, ...).
 
     Attributes:
         base_optimizer: the wrapped optimizer.
+        update_rule: the update gradient in use: "perturbed", "sum" or "mean".
         num_steps: completed steps (``second_step`` calls), saved in the state dict.
-        last_stats: diagnostics of the last completed step, 0-d fp32 tensors on the
-            parameters' device: grad_norm, grad_p_norm, cos_g_gp, plus the subclass's.
+        last_stats: diagnostics of the last completed step, 0-d tensors (at least fp32) on
+            the parameters' device: grad_norm, grad_p_norm, cos_g_gp, plus the subclass's.
     """
 
+    VARIANTS: tuple[str, ...] = ("paper", "reference")
     UPDATE: dict[str, str] = {"paper": "perturbed", "reference": "perturbed"}
 
     def __init__(
@@ -162,15 +200,26 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         variant: str = "paper",
         schedule: str = "constant",
+        update: str = "",
         **base_kwargs,
     ):
-        if variant not in VARIANTS:
-            raise ValueError(f"Invalid variant: {variant!r} (expected one of {VARIANTS})")
+        name = type(self).__name__
+        if variant not in self.VARIANTS:
+            raise ValueError(
+                f"Invalid variant for {name}: {variant!r} (expected one of {self.VARIANTS})"
+            )
         if schedule not in SCHEDULES:
             raise ValueError(f"Invalid schedule: {schedule!r} (expected one of {SCHEDULES})")
+        if update not in UPDATES:
+            raise ValueError(
+                f"Invalid update: {update!r} (expected '' for the variant's rule, sum or mean)"
+            )
+        if update and self.UPDATE[variant] == "perturbed":
+            raise ValueError(f"Invalid update for {name}: {update!r} ({name} updates with g_p)")
         check_hparams(defaults)
         self.variant = variant
         self.schedule = schedule
+        self.update_rule = update or self.UPDATE[variant]
         self._own_defaults = dict(defaults)
         super().__init__(params, defaults)
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
@@ -201,21 +250,21 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------- the step
     def _perturbation(self, fp: FirstPass, g: list[Tensor], g_norm: Tensor, scale: float):
-        """Return the fp32 perturbation ``e`` of each of ``fp.params``.
+        """Return the perturbation ``e`` of each of ``fp.params`` (at least fp32).
 
         Subclasses may set ``fp.ema`` (the new moving average, committed in ``second_step``)
         and add diagnostics to ``fp.stats``.
 
         Args:
             fp: the pending step (groups, params, saved copies).
-            g: the first-pass gradients in fp32.
-            g_norm: ``||g||`` (global, fp32).
+            g: the first-pass gradients in :func:`acc_dtype`.
+            g_norm: ``||g||`` (global).
             scale: the schedule's factor on rho and alpha.
         """
         raise NotImplementedError
 
     def _ema(self, p: Tensor) -> Tensor | None:
-        """The committed moving average of ``p`` (fp32), None before its first update."""
+        """The committed moving average of ``p`` (at least fp32), None before its first update."""
         return self.state[p].get("ema")
 
     @torch.no_grad()
@@ -241,7 +290,7 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             grads=[p.grad.detach().clone() for p in params],
         )
         if params:
-            g = [gi.float() for gi in fp.grads]
+            g = [gi.to(acc_dtype(gi)) for gi in fp.grads]
             g_norm = global_norm(g)
             fp.stats["grad_norm"] = g_norm
             e = self._perturbation(fp, g, g_norm, self._scale(fp.t))
@@ -283,12 +332,11 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             if fp.ema is not None:
                 m_norm = stats["ema_norm"]
                 stats["cos_gp_m"] = cosine(global_dot(g_p, fp.ema), gp_norm, m_norm)
-            rule = self.UPDATE[self.variant]
             for gpi, gi in zip(g_p, fp.grads):
-                if rule == "sum":
+                if self.update_rule == "sum":
                     gpi.add_(gi)
-                elif rule == "mean":
-                    gpi.add_(gi).mul_(0.5)
+                elif self.update_rule == "mean":  # g_p + (0.5 g - 0.5 g_p), as the references
+                    gpi.add_(gi.mul(0.5).sub_(gpi, alpha=0.5))
         if fp.ema is not None:
             for p, m in zip(fp.params, fp.ema):
                 self.state[p]["ema"] = m
@@ -358,6 +406,7 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             "num_steps": self.num_steps,
             "variant": self.variant,
             "schedule": self.schedule,
+            "update": self.update_rule,
             "state": own,
         }
         return sd
@@ -375,14 +424,15 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             logger.warning("%s: no sharpness-aware state in the state dict", type(self).__name__)
             self.num_steps = 0
             return
-        if (own.get("variant"), own.get("schedule")) != (self.variant, self.schedule):
+        saved = (own.get("variant"), own.get("schedule"), own.get("update", self.update_rule))
+        if saved != (self.variant, self.schedule, self.update_rule):
             logger.warning(
-                "%s: state dict of variant %s / schedule %s loaded into %s / %s",
+                "%s: state dict of variant %s / schedule %s / update %s loaded into %s / %s / %s",
                 type(self).__name__,
-                own.get("variant"),
-                own.get("schedule"),
+                *saved,
                 self.variant,
                 self.schedule,
+                self.update_rule,
             )
         params = self._all_params()
         for idx, s in own["state"].items():

@@ -394,10 +394,12 @@ def hand(name, variant, steps=2, adaptive=False):
         elif m is None:  # SAMPLe reference, first step
             m, e = g, _scale(g, RHO / n)
         else:  # SAMPLe reference, later steps: one cosine per row (= per 1-element tensor)
-            m = _axpy(_scale(m, LAM), g, 1 - LAM)
-            n_, nm = n + 1e-10, _norm(m) + 1e-10
+            old, m = m, _axpy(_scale(m, LAM), g, 1 - LAM)
+            n_ = n + 1e-10
+            # ||m|| as the released loop sees it: x sees (new m_x, old m_y), y sees both new
+            nms = [_norm([m[0], old[1]]) + 1e-10, _norm(m) + 1e-10]
             xi = [math.copysign(1.0, gi * mi) for gi, mi in zip(g, m)]
-            g_b = [gi - x * (n_ / nm) * mi for gi, x, mi in zip(g, xi, m)]
+            g_b = [gi - x * (n_ / nm) * mi for gi, x, mi, nm in zip(g, xi, m, nms)]
             e = [RHO * gi / n_ - ALPHA * gb for gi, gb in zip(g, g_b)]
         g_p = _grad(_axpy(th, e))
         if name in ("sagm", "sample"):
@@ -477,9 +479,11 @@ def test_sample_reference_per_row_cosine():
 
     m = [[LAM * a + (1 - LAM) * b for a, b in zip(r1, r2)] for r1, r2 in zip(g1, g2)]
     n = _norm(sum(g2, [])) + 1e-10
-    nm = _norm(sum(m, [])) + 1e-10
+    # ||m|| as the released loop sees it: W with its new average and v's old one (g1 of v),
+    # v with both new
+    nms = [_norm(sum(m[:2], []) + g1[2]) + 1e-10] * 2 + [_norm(sum(m, [])) + 1e-10]
     expected = []
-    for gr, mr in zip(g2, m):
+    for gr, mr, nm in zip(g2, m, nms):
         xi = _dot(gr, mr) / (_norm(gr) * _norm(mr))
         expected += [RHO * a / n - ALPHA * (a - xi * (n / nm) * b) for a, b in zip(gr, mr)]
     assert e == pytest.approx(expected, rel=1e-5, abs=1e-7)
