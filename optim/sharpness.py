@@ -26,19 +26,21 @@ Under a GradScaler the caller unscales ``.grad`` before ``first_step`` and befor
 
 State and restore: everything a step changes is *computed* in ``first_step`` but *committed*
 only in ``second_step``: the new moving average is held next to the saved copies and replaces
-the old one in ``second_step``, and the step counter ``num_steps`` (which drives the
-``inv_sqrt`` schedule and the reference variants' first-step rule) is incremented there. So
-``restore()`` leaves the wrapper's state exactly as before ``first_step`` (moving averages,
-counter) and does not touch the base optimizer; it leaves ``.grad`` as it is and keeps the
-``last_stats`` of the last completed step.
+the old one in ``second_step`` (a tensor without a committed average takes the reference
+variants' first-step rule), and the step counter ``num_steps`` (which drives the ``inv_sqrt``
+schedule) is incremented there. So ``restore()`` leaves the wrapper's state exactly as before
+``first_step`` (moving averages, counter) and does not touch the base optimizer; it leaves
+``.grad`` as it is and keeps the ``last_stats`` of the last completed step.
 
 Numerics: norms, dot products, cosines, the moving averages and ``e`` are computed in the
 parameter's dtype promoted to at least fp32 (:func:`acc_dtype`: fp16/bf16 -> fp32, fp32 -> fp32,
 fp64 -> fp64); the saved copies are in the parameter dtype, so restoring is bit-exact. Where the
 reference code's order of operations is known it is followed (``rho / (||g|| + eps)`` before
 the product with ``g``, ``lam * m + (1 - lam) * g`` as two products, the mean as
-``g_p + (0.5 * g - 0.5 * g_p)``), so a reference variant in fp32 rounds as the released code
-does; the one difference left is the restore from copies. A zero gradient gives a zero
+``g_p + (0.5 * g - 0.5 * g_p)``), so a reference variant with fp32 parameters rounds as the
+released code does (tests/test_optim_fidelity.py); the one difference left is the restore from
+copies. With fp16/bf16 parameters the released code computes in the parameter dtype, this code
+in fp32 (the difference is rounding only). A zero gradient gives a zero
 perturbation, never NaN (eps guards, no Python branch on tensor values: the step makes no
 host-device synchronisation). ``||.||`` is the global L2 norm over every parameter of every
 param group that has a gradient this step; parameters without one are neither perturbed, nor

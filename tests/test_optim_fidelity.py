@@ -421,3 +421,34 @@ def test_every_sagm_and_sample_config_sets_the_update_rule():
             sam = yaml.safe_load(f)["OPTIM"]["SAM"]
         assert sam["NAME"] == osp.splitext(osp.basename(path))[0], path
         assert sam.get("UPDATE") in ("sum", "mean"), f"{path}: set OPTIM.SAM.UPDATE sum|mean"
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs",
+    [(SAMPLe, {"variant": "reference-cocoop"}), (SAMPLe, {"variant": "paper", "update": "mean"})],
+)
+def test_state_dict_round_trip_keeps_variant_and_update(cls, kwargs):
+    prob = Problem()
+    runs = []
+    for _ in range(2):
+        params = [nn.Parameter(t.clone()) for t in prob.init]
+        runs.append((params, cls(params, lr=LR, rho=RHO, alpha=ALPHA, lam=LAM, **kwargs)))
+
+    def step(params, opt):
+        opt.zero_grad()
+        prob.loss(params).backward()
+        opt.step(lambda: prob.loss(params).backward())
+
+    (p1, o1), (p2, o2) = runs
+    for _ in range(2):
+        step(p1, o1)
+    sd = o1.state_dict()
+    assert sd["sharpness"]["update"] == o1.update_rule == (kwargs.get("update") or "mean")
+    with torch.no_grad():
+        for a, b in zip(p2, p1):
+            a.copy_(b)
+    o2.load_state_dict(sd)
+    for _ in range(2):
+        step(p1, o1)
+        step(p2, o2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
