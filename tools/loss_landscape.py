@@ -76,6 +76,8 @@ JSON_NAME = "landscape.json"
 # -- the trainer of a run ---------------------------------------------------------------------
 def run_cfg(run_dir: str, output_dir: str, opts: list[str] | tuple[str, ...] = ()):
     """The run's config as train.py merged it, writing to ``output_dir``, with ``opts`` on top."""
+    import datasets  # noqa: F401  (registers the readers, as train.py does)
+    import trainers  # noqa: F401  (registers the trainers and their config keys)
     from engine.config import get_cfg_default, merge_from_file, merge_from_list
 
     cfg = get_cfg_default()
