@@ -239,6 +239,7 @@ def run(argv=None) -> int:
         user = isinstance(e, UserError) or type(e) in (ValueError, FileNotFoundError)
         if not (user or isinstance(e, FloatingPointError)):
             raise
-        logger.error("%s", e)
+        if logging.getLogger().handlers:  # the run's log.txt exists: record the error there
+            logger.error("%s", e)
         print(f"Error: {e}", file=sys.stderr)
         return 2 if user else 3
