@@ -19,10 +19,10 @@ project's keys:
                             implemented: refused); no effect otherwise, as in the released code
 ``REPRODUCTION``            ``REPRODUCTION`` (``released`` by default: the overlay
                             ``configs/repro/released.yaml``, see engine/repro.py; or ``paper``)
-``N_CTX`` ``CSC``           ``SAMPLe`` only: ``TRAINER.COOP.*`` (the released SAMPLe trainer reads
-``CTX_INIT`` ``PREC``       its prompt keys from ``TRAINER.SAMPLe``); the other aliases read their
-``CLASS_TOKEN_POSITION``    parent's node (``TRAINER.COCOOP``/``MAPLE``/``PROMPTSRC``) and ignore
-                            these, as the released code does
+``N_CTX`` ``CSC``           ``SAMPLe`` only: its CoOp prompt learner is built from these (as the
+``CTX_INIT`` ``PREC``       released SAMPLe trainer, which never reads ``TRAINER.COOP``); the other
+``CLASS_TOKEN_POSITION``    aliases read their parent's node (``TRAINER.COCOOP``/``MAPLE``/
+                            ``PROMPTSRC``) and ignore these, as the released code does
 ==========================  ======================================================================
 
 Where the released code of one alias trains differently from the project's optimizer of the
@@ -58,7 +58,7 @@ def add_sample_config(cfg) -> None:
     if NODE in cfg.TRAINER:
         return
     node = CN()
-    # CoOp prompt keys, read by the SAMPLe alias only (copied onto TRAINER.COOP)
+    # CoOp prompt keys, read by the SAMPLe alias only (instead of TRAINER.COOP)
     node.N_CTX = 16  # number of context tokens (ignored when CTX_INIT is set)
     node.CSC = False  # class-specific context
     node.CTX_INIT = "a photo of a"  # initialisation words ("": random context)
@@ -132,18 +132,27 @@ def _set(cfg, full_key: str, value) -> None:
     node[leaf] = value
 
 
+def coop_view(cfg):
+    """A frozen copy of ``cfg`` whose ``TRAINER.COOP`` holds ``TRAINER.SAMPLe``'s prompt keys:
+    the config that CoOp's model and checks see under the SAMPLe alias."""
+    view = cfg.clone()
+    view.defrost()
+    for key in PROMPT_KEYS:
+        view.TRAINER.COOP[key] = cfg.TRAINER[NODE][key]
+    view.freeze()
+    return view
+
+
 class _AuthorsAlias:
     """Mixin of the aliases: the ``TRAINER.SAMPLe`` node and its translation.
 
     Attributes:
         PARENT_NODE: the ``TRAINER.<node>`` that the parent trainer's prompt learner reads.
-        COPY_PROMPT_KEYS: copy ``TRAINER.SAMPLe.{N_CTX, ...}`` onto ``PARENT_NODE`` (SAMPLe).
         ALIAS_OF: the project's trainer that the alias runs (registry-driven tools may skip
             aliases: they train exactly what ``ALIAS_OF`` trains).
     """
 
     PARENT_NODE = ""
-    COPY_PROMPT_KEYS = False
     ALIAS_OF = ""
 
     @classmethod
@@ -159,9 +168,6 @@ class _AuthorsAlias:
         name = TRAINER_REGISTRY.name_of(cls) or cls.__name__
         for key, value in sam_keys(node, name).items():
             _set(cfg, key, value)
-        if cls.COPY_PROMPT_KEYS:
-            for key in PROMPT_KEYS:
-                cfg.TRAINER[cls.PARENT_NODE][key] = node[key]
         cfg.REPRODUCTION = node.REPRODUCTION  # the alias's mode chooses the overlay
 
     def check_cfg(self, cfg) -> None:
@@ -177,12 +183,23 @@ class _AuthorsAlias:
 
 @TRAINER_REGISTRY.register()
 class SAMPLe(_AuthorsAlias, CoOp):
-    """The authors' ``SAMPLe``: CoOp with prompt keys under ``TRAINER.SAMPLe``."""
+    """The authors' ``SAMPLe``: CoOp with prompt keys under ``TRAINER.SAMPLe`` (TRAINER.COOP,
+    which the authors' scripts also set, is not read: :func:`coop_view`)."""
 
     CONFIG_NODE = NODE
     PARENT_NODE = "COOP"
-    COPY_PROMPT_KEYS = True
     ALIAS_OF = "CoOp"
+
+    def check_cfg(self, cfg) -> None:
+        super().check_cfg(coop_view(cfg))
+
+    def build_model(self) -> None:
+        cfg = self.cfg
+        self.cfg = coop_view(cfg)  # CoOp's model reads TRAINER.COOP
+        try:
+            super().build_model()
+        finally:
+            self.cfg = cfg
 
 
 @TRAINER_REGISTRY.register()
