@@ -27,6 +27,12 @@ _C.RESUME = ""  # folder to resume from; empty means OUTPUT_DIR (re-running a ru
 _C.SEED = -1  # random seed for random/numpy/torch; any value >= 0 (0 included) fixes it
 _C.USE_CUDA = True  # use the GPU when one is available
 _C.VERBOSE = True  # print the dataset summary table and other details
+# Reproduction mode (README, "What reproduces what"): "paper" trains the method as the paper
+# writes it (the config files as they are); "released" emulates the training of the SAMPLe
+# authors' released code, behaviour for behaviour (the overlay configs/repro/released.yaml and
+# configs/repro/released/<TRAINER>.yaml, merged after the config files; command-line KEY VALUE
+# options still win). Set it with train.py --repro MODE or REPRODUCTION MODE.
+_C.REPRODUCTION = "paper"
 
 ###########################
 # Input
@@ -66,7 +72,7 @@ _C.DATASET.SOURCE_DOMAINS = ()  # domain-generalisation sources (unused by promp
 _C.DATASET.TARGET_DOMAINS = ()  # domain-generalisation targets (unused by prompt learners)
 _C.DATASET.NUM_LABELED = -1  # semi-supervised: number of labelled images (-1: all)
 _C.DATASET.NUM_SHOTS = -1  # few-shot: images per class for train (val gets min(shots, 4)); -1: all
-_C.DATASET.VAL_PERCENT = 0.1  # fraction of train used as val by datasets that need it
+_C.DATASET.VAL_PERCENT = 0.1  # Dassl key, accepted but unused: split files fix the val set
 _C.DATASET.SUBSAMPLE_CLASSES = "all"  # base-to-new: all | base (first ceil(n/2)) | new (the rest)
 # Unreadable images (truncated, zero-byte, not an image) stop the run before the first step with a
 # list of all of them; True leaves them out instead (a warning gives their count and paths)
@@ -86,6 +92,9 @@ _C.DATALOADER.CACHE_DECODED_MB = 4096  # memory budget (MB); images beyond it ar
 _C.DATALOADER.TRAIN_X = CN()
 _C.DATALOADER.TRAIN_X.SAMPLER = "RandomSampler"  # RandomSampler | SequentialSampler
 _C.DATALOADER.TRAIN_X.BATCH_SIZE = 32  # training batch size
+# Dassl's drop_last: drop the last partial batch when the training set is larger than the batch
+# size (set by the protocols of tools/protocols.py for the paper grid). False keeps every sample
+_C.DATALOADER.TRAIN_X.DROP_LAST = False
 _C.DATALOADER.TEST = CN()
 _C.DATALOADER.TEST.SAMPLER = "SequentialSampler"  # sampler of val/test loaders
 _C.DATALOADER.TEST.BATCH_SIZE = 32  # evaluation batch size
@@ -138,6 +147,10 @@ _C.OPTIM.WARMUP_TYPE = "linear"  # constant | linear
 _C.OPTIM.WARMUP_CONS_LR = 1e-5  # LR during constant warmup
 _C.OPTIM.WARMUP_MIN_LR = 1e-5  # start LR of linear warmup
 _C.OPTIM.WARMUP_RECOUNT = True  # restart the main schedule's epoch count after warmup
+# The released SAMPLe trainers' LR stepping: while the sharpness-aware optimizer steps, the LR
+# scheduler also steps after every batch (on top of the step at the end of each epoch), so the
+# epoch-based schedule advances batches + 1 times per epoch (the `released` reproduction mode)
+_C.OPTIM.LR_STEP_PER_BATCH = False
 # Sharpness-aware wrapper around the base optimizer (see optim/ and the README's table).
 _C.OPTIM.SAM = CN()
 _C.OPTIM.SAM.NAME = ""  # "" (plain base optimizer) | sam | fsam | sagm | sample
@@ -153,11 +166,19 @@ _C.OPTIM.SAM.LAMBDA = 0.15  # F-SAM/SAMPLe moving-average factor lambda of the f
 _C.OPTIM.SAM.SIGMA = 1.0  # F-SAM scale of the removed full-gradient component
 _C.OPTIM.SAM.ADAPTIVE = False  # SAM only: ASAM's scale-invariant perturbation
 _C.OPTIM.SAM.SCHEDULE = "constant"  # rho/alpha schedule: constant | inv_sqrt (paper's theorem)
-# Staged training: epochs before START_EPOCH use the base optimizer on all learnable
-# parameters; from START_EPOCH on, the sharpness-aware optimizer takes over and the parameters
-# whose names match a FREEZE pattern (fnmatch, e.g. "*proj*") stop training.
-_C.OPTIM.SAM.START_EPOCH = 0  # first epoch (0-based) of the sharpness-aware stage
-_C.OPTIM.SAM.FREEZE = ()  # parameter-name patterns frozen from START_EPOCH on
+# Staged training (optim/staging.py). The paper's two stages: with STAGE2_EPOCHS > 0, stage 1 is
+# the trainer's whole published schedule (OPTIM.MAX_EPOCH epochs, warmup and LR schedule
+# included) with the base optimizer on all learnable parameters; stage 2 ADDS STAGE2_EPOCHS
+# epochs after MAX_EPOCH (a run trains MAX_EPOCH + STAGE2_EPOCHS epochs and saves
+# model.pth.tar-<MAX_EPOCH + STAGE2_EPOCHS>) in which the sharpness-aware optimizer steps, the
+# parameters matching a FREEZE pattern (fnmatch, e.g. "*proj*") stop training, and the LR
+# follows a cosine from STAGE2_LR to 0 over the stage-2 epochs (no warmup).
+# Alternatively START_EPOCH > 0 switches inside the published schedule (no added epochs).
+# Parameters are only ever frozen after at least one full-LR epoch (refused otherwise).
+_C.OPTIM.SAM.START_EPOCH = 0  # first epoch (0-based) of the sharpness-aware stage (no stage 2)
+_C.OPTIM.SAM.FREEZE = ()  # parameter-name patterns frozen when the sharpness-aware stage starts
+_C.OPTIM.SAM.STAGE2_EPOCHS = 0  # epochs of stage 2, added after MAX_EPOCH (0: no stage 2)
+_C.OPTIM.SAM.STAGE2_LR = 0.0  # stage 2's initial LR (cosine to 0); 0: OPTIM.LR
 
 ###########################
 # Train

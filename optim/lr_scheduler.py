@@ -2,7 +2,12 @@
 
 ``build_lr_scheduler(optimizer, optim_cfg)`` reproduces Dassl's LR sequence: e.g. LR 0.002,
 cosine over 10 epochs, constant warmup of 1 epoch at 1e-5 (recount) gives
-1e-5, 0.002, 0.001951, 0.001809, ..., 0.000191.
+1e-5, 0.002, 0.001951, 0.001809, ..., 0.000191. Staged training appends its stage-2 cosine
+(:func:`make_lr_fn`). ``step()`` advances the schedule's counter by one: the engine calls it at
+the end of every epoch, and with ``OPTIM.LR_STEP_PER_BATCH`` also after every batch of the
+sharpness-aware stage, as the released SAMPLe trainers do (the counter then runs batches + 1
+per epoch and the cosine, periodic past ``MAX_EPOCH``, oscillates: Dassl's warmup wrapper and
+``CosineAnnealingLR`` give the same closed form).
 
 Dassl's warmup classes broke on current torch (a positional ``verbose``) and pickled their
 successor scheduler into checkpoints. Here the LR of epoch ``e`` is a closed-form function of
@@ -94,6 +99,32 @@ def _main_schedule(optim_cfg):
 
 
 def make_lr_fn(optim_cfg):
+    """``lr(base_lr, epoch)``: the published schedule, then stage 2 if there is one.
+
+    Stage 2 (``OPTIM.SAM.STAGE2_EPOCHS`` > 0, :mod:`optim.staging`): epochs ``MAX_EPOCH ..
+    MAX_EPOCH + STAGE2_EPOCHS - 1`` follow a cosine from ``OPTIM.SAM.STAGE2_LR`` (0: ``OPTIM.LR``)
+    to 0 over the stage-2 epochs, no warmup; a param group's LR keeps its ratio to ``OPTIM.LR``.
+    """
+    published = _published_schedule(optim_cfg)
+    sam = optim_cfg.get("SAM")
+    stage2 = int(sam.STAGE2_EPOCHS) if sam is not None and "STAGE2_EPOCHS" in sam else 0
+    if stage2 <= 0:
+        return published
+    max_epoch = optim_cfg.MAX_EPOCH
+    if sam.STAGE2_LR < 0:
+        raise ValueError(f"OPTIM.SAM.STAGE2_LR must be >= 0 (0: OPTIM.LR), got {sam.STAGE2_LR}")
+    ratio = (sam.STAGE2_LR or optim_cfg.LR) / optim_cfg.LR
+
+    def fn(base, e):
+        if e < max_epoch:
+            return published(base, e)
+        t = e - max_epoch
+        return base * ratio * (1 + math.cos(math.pi * t / float(stage2))) / 2
+
+    return fn
+
+
+def _published_schedule(optim_cfg):
     """``lr(base_lr, epoch)`` for the main schedule wrapped in the configured warmup."""
     main = _main_schedule(optim_cfg)
     warmup = optim_cfg.WARMUP_EPOCH

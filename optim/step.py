@@ -19,8 +19,12 @@ code:
   Under AMP the passes share one scale: the first-pass gradients are unscaled (recording
   inf/NaN) before ``first_step``, the perturbed ones before ``second_step``; an overflow in
   either pass skips the step (parameters restored exactly) and backs the scale off;
-- before ``OPTIM.SAM.START_EPOCH`` a sharpness-aware wrapper steps its base optimizer
+- before its stage starts (``OPTIM.SAM.START_EPOCH``, or after ``MAX_EPOCH`` with
+  ``OPTIM.SAM.STAGE2_EPOCHS``) a sharpness-aware wrapper steps its base optimizer
   (:mod:`optim.staging`), which also freezes ``OPTIM.SAM.FREEZE`` when the stage starts;
+- :meth:`OptimizerStep.lr_step_per_batch` tells the engine whether the LR scheduler also steps
+  after every batch (``OPTIM.LR_STEP_PER_BATCH``: the released SAMPLe trainers do so while the
+  sharpness-aware optimizer steps);
 - the returned dict holds the step's diagnostics (0-d tensors, no host sync).
 
 Its ``state_dict`` (the GradScaler's) goes into checkpoints next to the optimizer's.
@@ -53,7 +57,9 @@ class OptimizerStep:
         optimizers: the optimizers of the registered models (None entries are skipped).
         precision: "fp32", "fp16", "bf16" or "amp" (GradScaler).
         device_type: "cuda" or "cpu" (for the GradScaler).
-        staging: the START_EPOCH/FREEZE rule (default: the stage starts at epoch 0).
+        staging: the START_EPOCH/STAGE2_EPOCHS/FREEZE rule (default: the stage starts at
+            epoch 0).
+        lr_per_batch: step the LR scheduler after every batch of the sharpness-aware stage too.
     """
 
     def __init__(
@@ -62,10 +68,12 @@ class OptimizerStep:
         precision: str = "fp32",
         device_type: str = "cpu",
         staging: Staging | None = None,
+        lr_per_batch: bool = False,
     ):
         self.optimizers = [o for o in optimizers if o is not None]
         self.scaler = torch.amp.GradScaler(device_type) if precision == "amp" else None
         self.staging = staging or Staging()
+        self.lr_per_batch = bool(lr_per_batch)
         self.two_pass = [o for o in self.optimizers if get_optimizer_spec(o).needs_closure]
         if self.two_pass and len(self.optimizers) != 1:
             raise OptimConfigError(
@@ -77,6 +85,15 @@ class OptimizerStep:
     def check(self, sam_name: str, max_epoch: int) -> None:
         """Refuse a configuration whose sharpness-aware stage never starts."""
         self.staging.check(sam_name if self.two_pass else "", max_epoch)
+
+    def sharpness_active(self, epoch: int) -> bool:
+        """Whether a sharpness-aware (two-pass) optimizer steps in ``epoch``."""
+        return bool(self.two_pass) and self.staging.active(epoch)
+
+    def lr_step_per_batch(self, epoch: int) -> bool:
+        """Whether the LR scheduler steps after each batch of ``epoch`` (besides the epoch end):
+        ``OPTIM.LR_STEP_PER_BATCH`` while the sharpness-aware optimizer steps."""
+        return self.lr_per_batch and self.sharpness_active(epoch)
 
     def begin_epoch(self, epoch: int, modules: Mapping[str, nn.Module]) -> list[str]:
         """Apply the staging rule at the start of ``epoch``; returns newly frozen names."""
@@ -167,4 +184,12 @@ def build_step(
 ) -> OptimizerStep:
     """The step of ``cfg.OPTIM`` (full config or its OPTIM node) over ``optimizers``."""
     optim_cfg = cfg.OPTIM if hasattr(cfg, "OPTIM") else cfg
-    return OptimizerStep(optimizers, precision, device_type, Staging.from_cfg(optim_cfg))
+    staging = Staging.from_cfg(optim_cfg)
+    per_batch = bool(optim_cfg.get("LR_STEP_PER_BATCH", False))
+    if per_batch and staging.stage2_epochs:
+        raise OptimConfigError(
+            "OPTIM.LR_STEP_PER_BATCH (the released code's LR stepping) and OPTIM.SAM.STAGE2_EPOCHS "
+            f"{staging.stage2_epochs} (a stage-2 LR schedule counted in epochs) do not combine: "
+            "set one of them off (the released reproduction mode has no staging)"
+        )
+    return OptimizerStep(optimizers, precision, device_type, staging, per_batch)

@@ -10,6 +10,7 @@
 #   DATA=/data OPTIM="sgd sample" SEEDS=1 bash scripts/base2new.sh --gpus=auto all
 #   TRAINER=MaPLe bash scripts/base2new.sh --dry-run --commands eurosat
 #   DATA=/data bash scripts/base2new.sh dtd MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
+#   DATA=/data REPRO=released bash scripts/base2new.sh dtd   # the released code's training
 #
 # Folders: OUTPUT/base2new/{train_base,test_new}/DATASET/shots_SHOTS/TRAINER/CFG[+OPTIM]/seedN
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

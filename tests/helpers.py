@@ -105,13 +105,16 @@ def staged_run(tr) -> dict:
 
 
 def check_staged(tr, snaps, frozen: set, trained: set) -> None:
+    """``frozen`` trained in stage 1 and frozen from the sharpness-aware stage on (stage 2 after
+    ``OPTIM.MAX_EPOCH``, or ``START_EPOCH``); ``trained`` trained in that stage."""
+    start = tr.optim_step.staging.start_epoch
     params = dict(tr.model.learnable.named_parameters())
     assert {n for n, p in params.items() if not p.requires_grad} == frozen
     for name in frozen:
-        assert not torch.equal(snaps[0][name], snaps[1][name]), name  # trained in stage 1
-        assert torch.equal(snaps[1][name], snaps["end"][name]), name  # frozen in stage 2
+        assert not torch.equal(snaps[0][name], snaps[start][name]), name  # trained in stage 1
+        assert torch.equal(snaps[start][name], snaps["end"][name]), name  # frozen in stage 2
     for name in trained:
-        assert not torch.equal(snaps[1][name], snaps["end"][name]), name
+        assert not torch.equal(snaps[start][name], snaps["end"][name]), name
 
 
 def train_py_args(root, out, deep_opts, trainer, config_files, *extra):
@@ -144,16 +147,17 @@ def check_base_to_new(tmp_path, dtd_root, deep_opts, trainer, config_files, name
     optim_file = osp.join(ROOT, f"configs/optim/{trainer}/sample.yaml")
     run_train(["--optim-config-file", optim_file]
               + train_py_args(dtd_root, sam_out, deep_opts, trainer, config_files, *base,
-                              "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1"))  # fmt: skip
+                              "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.STAGE2_EPOCHS", "1"))  # fmt: skip
     log = open(osp.join(sam_out, "log.txt")).read()
     assert "Optimizer: sample(sgd)" in log and "cos_g_gp" in log
-    assert "Epoch 2: the sharpness-aware stage starts; frozen: MultiModalPromptLearner." in log
+    stage2 = "Epoch 3: the sharpness-aware stage starts (stage 2); frozen: MultiModalPromptLearner."
+    assert stage2 in log
     ckpt = torch.load(
-        osp.join(sam_out, "MultiModalPromptLearner", "model.pth.tar-2"), weights_only=True
+        osp.join(sam_out, "MultiModalPromptLearner", "model.pth.tar-3"), weights_only=True
     )
     assert set(ckpt["state_dict"]) == names
     new_out = str(tmp_path / "new")
-    eval_flags = ["--eval-only", "--model-dir", sam_out, "--load-epoch", "2"]
+    eval_flags = ["--eval-only", "--model-dir", sam_out, "--load-epoch", "3"]
     new = ("DATASET.SUBSAMPLE_CLASSES", "new", *extra)
     run_train(eval_flags + train_py_args(dtd_root, new_out, deep_opts, trainer, config_files, *new))
     log = open(osp.join(new_out, "log.txt")).read()

@@ -253,9 +253,13 @@ def test_optim_configs_hold_the_paper_values_and_freeze_projections_and_adapters
         sam = make_cfg(["--optim-config-file", path], trainer="CoPrompt").OPTIM.SAM
         got = {"sam": (sam.RHO,), "sagm": (sam.RHO, sam.ALPHA), "fsam": (sam.RHO, sam.LAMBDA),
                "sample": (sam.RHO, sam.ALPHA, sam.LAMBDA)}[name]  # fmt: skip
-        assert sam.NAME == name and got == values and sam.START_EPOCH == 3
+        assert sam.NAME == name and got == values and sam.START_EPOCH == 0
         frozen = {n for n in LEARNABLE if any(fnmatch.fnmatch(n, p) for p in sam.FREEZE)}
-        assert frozen == {f"prompt_learner.{n}" for n in PROJECTIONS} | ADAPTERS
+        if name == "sample":  # staged (stage 2 after the published schedule): SAMPLe only
+            assert sam.STAGE2_EPOCHS == 2
+            assert frozen == {f"prompt_learner.{n}" for n in PROJECTIONS} | ADAPTERS
+        else:
+            assert sam.STAGE2_EPOCHS == 0 and not frozen
 
 
 def test_bad_settings_are_errors(tmp_path, dtd_root, deep_opts, desc_dir):
@@ -267,7 +271,7 @@ def test_bad_settings_are_errors(tmp_path, dtd_root, deep_opts, desc_dir):
 
 def test_staged_training_freezes_projections_and_adapters(tmp_path, dtd_root, deep_opts, desc_dir):
     tr = coprompt(tmp_path, dtd_root, deep_opts, desc_dir,
-                  "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1",
+                  "OPTIM.MAX_EPOCH", "1", "OPTIM.SAM.STAGE2_EPOCHS", "1",
                   optim_file="configs/optim/CoPrompt/sample.yaml")  # fmt: skip
     frozen = {f"prompt_learner.{n}" for n in PROJECTIONS} | ADAPTERS
     check_staged(tr, staged_run(tr), frozen=frozen, trained=LEARNABLE - frozen)

@@ -21,8 +21,10 @@ from helpers import (
     check_base_to_new,
     check_staged,
     staged_run,
+    trainer_opts,
 )
 
+from engine import build_trainer
 from engine.clip import BackboneError, PromptedVisionEncoder, TextEncoder, load_clip, tokenize
 from engine.clip.model import build_clip
 from trainers.maple import MaPLeCLIP, MultiModalPromptLearner, text_prompt_hook
@@ -231,9 +233,12 @@ def test_configs_hold_the_published_values():
             if name != "fsam"
             else (sam.RHO, sam.LAMBDA)
         )
-        assert sam.NAME == name and got == paper[name] and sam.START_EPOCH == 3
+        assert sam.NAME == name and got == paper[name] and sam.START_EPOCH == 0
         frozen = {n for n in names if any(fnmatch.fnmatch(n, p) for p in sam.FREEZE)}
-        assert frozen == PROJECTIONS
+        if name == "sample":  # the paper stages SAMPLe: stage 2 after the published schedule
+            assert sam.STAGE2_EPOCHS == 2 and frozen == PROJECTIONS
+        else:  # SAM/F-SAM/SAGM are not staged
+            assert sam.STAGE2_EPOCHS == 0 and not frozen
 
 
 def test_input_size_must_be_the_clip_image_size(tmp_path, dtd_root, deep_opts):
@@ -242,15 +247,55 @@ def test_input_size_must_be_the_clip_image_size(tmp_path, dtd_root, deep_opts):
 
 
 def test_stage_that_never_starts_is_an_error(tmp_path, dtd_root, deep_opts):
-    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "2", optim_file=SAMPLE_FILE)
+    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "3",
+               "OPTIM.SAM.STAGE2_EPOCHS", "0", optim_file=SAMPLE_FILE)  # fmt: skip
     with pytest.raises(ValueError, match="START_EPOCH 3 >= OPTIM.MAX_EPOCH 2"):
         tr.train()
 
 
 def test_staged_training_freezes_the_projections(tmp_path, dtd_root, deep_opts):
-    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.START_EPOCH", "1",
-               optim_file=SAMPLE_FILE)  # fmt: skip
+    tr = build(tmp_path, dtd_root, deep_opts, "OPTIM.MAX_EPOCH", "1",
+               "OPTIM.SAM.STAGE2_EPOCHS", "1", optim_file=SAMPLE_FILE)  # fmt: skip
     check_staged(tr, staged_run(tr), frozen=PROJECTIONS, trained=PROMPTS)
+
+
+XD_CFG = "configs/trainers/MaPLe/vit_b16_c2_ep5_batch4_2ctx_cross_datasets.yaml"
+
+
+@pytest.mark.parametrize("config", [MAPLE_CFG, XD_CFG], ids=["base2new", "cross_dataset"])
+def test_projections_train_at_the_full_lr_before_they_are_frozen(
+    config, tmp_path, dtd_root, deep_opts
+):
+    """The published configs' own schedules (5 and 2 epochs, 1 warmup epoch at 1e-5) with the
+    paper's staged SAMPLe: the projections leave their init at the config's full LR in stage 1
+    (MaPLe's cross-dataset config included), then stay frozen through stage 2."""
+    cfg0 = make_cfg([], trainer="MaPLe", config_file=config)
+    opts = trainer_opts(dtd_root, str(tmp_path / "out"), deep_opts)
+    opts += ["OPTIM.MAX_EPOCH", str(cfg0.OPTIM.MAX_EPOCH), "OPTIM.LR", str(cfg0.OPTIM.LR)]
+    cfg = make_cfg(["--optim-config-file", osp.join(ROOT, SAMPLE_FILE), *opts], trainer="MaPLe",
+                   config_file=config)  # fmt: skip
+    tr = build_trainer(cfg)
+    max_epoch, full_lr = cfg0.OPTIM.MAX_EPOCH, cfg0.OPTIM.LR
+    assert tr.max_epoch == max_epoch + 2 and tr.optim_step.staging.start_epoch == max_epoch
+    lrs, two_pass = {}, {}
+    step = tr.forward_backward
+
+    def recording(batch):
+        out = step(batch)
+        lrs.setdefault(tr.epoch, tr.get_current_lr())
+        two_pass.setdefault(tr.epoch, set()).add("grad_norm" in out)
+        return out
+
+    tr.forward_backward = recording
+    snaps = staged_run(tr)
+    assert lrs[0] == 1e-5 and lrs[1] == pytest.approx(full_lr)  # warmup, then the full LR
+    assert lrs[max_epoch] == pytest.approx(full_lr)  # stage 2: a new cosine from OPTIM.LR
+    assert lrs[max_epoch + 1] == pytest.approx(full_lr / 2)
+    assert all(two_pass[e] == {e >= max_epoch} for e in lrs)  # SAMPLe in stage 2 only
+    for name in PROJECTIONS:  # moved in the full-LR epoch (epoch 1), then frozen
+        assert not torch.equal(snaps[1][name], snaps[2][name]), name
+        assert torch.equal(snaps[max_epoch][name], snaps["end"][name]), name
+    check_staged(tr, snaps, frozen=PROJECTIONS, trained=PROMPTS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -195,9 +195,11 @@ def test_freeze_pattern_matching_nothing_is_an_error(tmp_path, dtd_root):
         tmp_path,
         dtd_root,
         "OPTIM.MAX_EPOCH",
-        "1",
+        "2",
         "OPTIM.SAM.NAME",
         "sam",
+        "OPTIM.SAM.START_EPOCH",
+        "1",
         "OPTIM.SAM.FREEZE",
         "['adapter*']",
     )

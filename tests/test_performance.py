@@ -62,8 +62,6 @@ def _cfg(trainer, root, out, deep_opts, optim="", *extra):
     node = f"TRAINER.{trainer.upper()}"
     opts += [*deep_opts, f"{node}.PREC", "fp32", "DATASET.NUM_SHOTS", "2", "OPTIM.MAX_EPOCH", "1"]
     opts += ["OPTIM.WARMUP_EPOCH", "0"]  # the configs' LR, not the 1e-5 warm-up
-    if optim:
-        opts += ["OPTIM.SAM.START_EPOCH", "0"]
     if trainer == "CoPrompt":
         opts += [f"{node}.FALLBACK_TEMPLATES", "True"]
     return make_cfg([*opts, *extra], trainer=trainer, config_file=trainer_config_file(trainer))
@@ -73,6 +71,7 @@ def _start(tr):
     """What the engine does before the first step (CoPrompt's teacher texts, staged freeze)."""
     tr.before_train()
     tr.batch_idx = 0
+    tr.epoch = tr.optim_step.staging.start_epoch  # the sharpness-aware stage (staged: stage 2)
     tr.before_epoch()
     return tr
 

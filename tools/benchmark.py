@@ -305,7 +305,6 @@ def bench_cfg(trainer: str, optim_name: str, s: Settings, prec: str | None, out:
     if optim_name != "sgd":
         path = osp.join(ROOT, "configs", "optim", trainer, f"{optim_name}.yaml")
         args += ["--optim-config-file", path]
-        opts += ["OPTIM.SAM.START_EPOCH", "0"]  # the sharpness-aware stage of staged configs
     node = f"TRAINER.{trainer.upper()}"
     if prec or s.device == "cpu":
         opts += [f"{node}.PREC", prec or "fp32"]  # fp16 weights are for GPUs
@@ -326,7 +325,8 @@ def build(cfg, classnames: list[str], reference: bool = False):
     with full_length_prompts() if reference else contextlib.nullcontext():
         tr = cls(cfg)
         tr.before_train()  # the engine's hook (e.g. CoPrompt's description features)
-    tr.epoch = tr.batch_idx = 0
+    tr.batch_idx = 0
+    tr.epoch = tr.optim_step.staging.start_epoch  # the sharpness-aware stage (staged: stage 2)
     tr.before_epoch()  # seeds and the staged freeze
     tr.set_model_mode("train")
     return tr

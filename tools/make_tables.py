@@ -26,6 +26,12 @@ Default pairs: each sharpness-aware row against its trainer's base-optimizer (``
 seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
 report (``tools/report.py``).
 
+Reproduction modes (README, "What reproduces what"): ``--repro paper`` (default), ``--repro
+released`` or ``--repro paper released``. When runs of the ``released`` mode are in the tables,
+every row carries its mode (``CoOp+SAMPLe [paper]``, ``CoOp+SAMPLe [released]``; the folders are
+kept apart by their ``released`` tag) and each mode's row is compared with the paper's number;
+``--compare`` names such rows as ``CoOp+SAMPLe@released``.
+
 Examples::
 
     python tools/make_tables.py --output output                       # terminal tables
@@ -51,7 +57,13 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.grid import GridError, add_grid_args, expand, grids_from_args, setup_from_args  # noqa: E402
+from tools.grid import (  # noqa: E402
+    GridError,
+    add_grid_args,
+    expand_modes,
+    grids_from_args,
+    setup_from_args,
+)
 from tools.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
     DATASET_TITLES,
@@ -60,6 +72,8 @@ from tools.paper_results import (  # noqa: E402
     TRAINERS,
     paper_value,
     row_title,
+    split_mode,
+    with_mode,
 )
 from tools.parse_results import SeedStats, collect_seeds, group_seeds  # noqa: E402
 from tools.protocols import SOURCE_DATASET, Chain, ProtocolError  # noqa: E402
@@ -258,8 +272,13 @@ def collect(chains: list[Chain]) -> dict[tuple, SeedStats]:
     return {k: s for k, s in stats.items() if s.expected > len(s.missing)}
 
 
-def run_folders(chains: list[Chain]) -> tuple[dict[tuple, dict[int, str]], dict[tuple, str]]:
-    """``({key: {seed: run folder}}, {key: stage})``: the grid's runs and the extra seeds found."""
+def run_folders(
+    chains: list[Chain], modes: bool = False
+) -> tuple[dict[tuple, dict[int, str]], dict[tuple, str]]:
+    """``({key: {seed: run folder}}, {key: stage})``: the grid's runs and the extra seeds found.
+
+    ``modes``: key the optimizer with the run's reproduction mode (``sample@released``).
+    """
     groups: dict[tuple, dict[int, str]] = {}
     kinds: dict[tuple, str] = {}
     for chain in chains:
@@ -272,7 +291,8 @@ def run_folders(chains: list[Chain]) -> tuple[dict[tuple, dict[int, str]], dict[
             else:
                 keys = [(run.protocol, run.dataset, "acc")]
             for table, dataset, metric in keys:
-                key = (table, run.trainer, run.optim, dataset, metric)
+                optim = with_mode(run.optim, run.repro if modes else None)
+                key = (table, run.trainer, optim, dataset, metric)
                 groups.setdefault(key, {})[run.seed] = run.out_dir
                 kinds[key] = run.stage
     for seeds in groups.values():
@@ -407,7 +427,11 @@ def parse_method(text: str) -> tuple[str, str]:
 def comparison_pairs(rows: list[tuple[str, str]], compare: list[list[str]] | None) -> list[Pair]:
     """``--compare`` pairs, or each sharpness-aware row against its trainer's ``sgd`` row."""
     if not compare:
-        return [Pair(r, (r[0], "sgd")) for r in rows if r[1] != "sgd" and (r[0], "sgd") in rows]
+
+        def base(r):  # the trainer's sgd row of the same reproduction mode
+            return (r[0], with_mode("sgd", split_mode(r[1])[1]))
+
+        return [Pair(r, base(r)) for r in rows if split_mode(r[1])[0] != "sgd" and base(r) in rows]
     pairs = []
     for a, b in compare:
         pair = Pair(parse_method(a), parse_method(b))
@@ -649,17 +673,28 @@ def render(tables: list[Table], fmt: str, std: bool = False) -> str:
 
 
 # -- command line -----------------------------------------------------------------------------
-def grid_axes(grids) -> tuple[list[tuple[str, str]], list[str], dict[str, list[str]]]:
-    """``(trainer x optimizer rows in the paper's order, base-to-new datasets, targets)``."""
+def grid_axes(
+    grids, modes=(None,)
+) -> tuple[list[tuple[str, str]], list[str], dict[str, list[str]]]:
+    """``(trainer x optimizer rows in the paper's order, base-to-new datasets, targets)``;
+    ``modes``: the reproduction modes of the rows (None: rows without a mode label)."""
     rows, datasets, targets = [], [], {"cross_dataset": [], "domain_gen": []}
     for g in grids:
-        rows += [(t, o) for t in g.trainers for o in g.optims if (t, o) not in rows]
+        for m in modes:
+            keys = [(t, with_mode(o, m)) for t in g.trainers for o in g.optims]
+            rows += [k for k in keys if k not in rows]
         if "base2new" in g.protocols:
             datasets += [d for d in g.datasets if d not in datasets]
         for table, have in (("cross_dataset", g.xd_targets), ("domain_gen", g.dg_targets)):
             if table in g.protocols:
                 targets[table] += [d for d in have if d not in targets[table]]
-    rows.sort(key=lambda r: (_order(r[0], TRAINERS), _order(r[1], OPTIMIZERS)))
+    rows.sort(
+        key=lambda r: (
+            _order(r[0], TRAINERS),
+            _order(split_mode(r[1])[0], OPTIMIZERS),
+            split_mode(r[1])[1] or "",
+        )
+    )
     return rows, datasets, targets
 
 
@@ -691,10 +726,18 @@ def build(args) -> Results:
             "The tables have one cell per trainer x optimizer x dataset and would merge the "
             "values of a sweep: plot sweeps with tools/plot_sweep.py"
         )
-    folders, kinds = run_folders(expand(grids, setup_from_args(args)))
+    modes = list(dict.fromkeys(getattr(args, "repro", None) or ["paper"]))
+    chains = expand_modes(grids, setup_from_args(args), modes)
+    found = [
+        m for m in modes if any(osp.isdir(c.train.out_dir) for c in chains if c.train.repro == m)
+    ]
+    modes = found or modes  # modes without any run folder are left out
+    chains = [c for c in chains if c.train.repro in modes]
+    labelled = modes != ["paper"]  # a released mode in the tables: every row says its mode
+    folders, kinds = run_folders(chains, labelled)
     stats = {k: collect_seeds(v, kinds[k]) for k, v in folders.items()}
     stats = {k: s for k, s in stats.items() if s.expected > len(s.missing)}
-    grid_rows, datasets, targets = grid_axes(grids)
+    grid_rows, datasets, targets = grid_axes(grids, modes if labelled else (None,))
     wanted = args.tables or TABLE_NAMES
     pairs = comparison_pairs(grid_rows, getattr(args, "compare", None))
     delta = getattr(args, "seeds_needed", None)

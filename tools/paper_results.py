@@ -81,9 +81,26 @@ DATASET_TITLES = {
 OPTIMIZER_TITLES = {"sgd": "", "sam": "+SAM", "fsam": "+FSAM", "sagm": "+SAGM", "sample": "+SAMPLe"}
 
 
+MODE_SEP = "@"  # "sample@released": an optimizer row of one reproduction mode (make_tables.py)
+
+
+def with_mode(optimizer: str, mode: str | None) -> str:
+    """The row key of ``optimizer`` in reproduction mode ``mode`` (None: no mode label)."""
+    return optimizer if not mode else f"{optimizer}{MODE_SEP}{mode}"
+
+
+def split_mode(optimizer: str) -> tuple[str, str | None]:
+    """Inverse of :func:`with_mode`: ``"sample@released"`` -> ``("sample", "released")``."""
+    name, sep, mode = optimizer.partition(MODE_SEP)
+    return name, (mode if sep else None)
+
+
 def row_title(trainer: str, optimizer: str) -> str:
-    """The paper's row label: ``CoOp`` for the plain method, ``CoOp+SAMPLe`` otherwise."""
-    return trainer + OPTIMIZER_TITLES.get(optimizer, f"+{optimizer}")
+    """The paper's row label: ``CoOp`` for the plain method, ``CoOp+SAMPLe`` otherwise; a row of
+    a reproduction mode (``sample@released``) ends with the mode: ``CoOp+SAMPLe [released]``."""
+    name, mode = split_mode(optimizer)
+    title = trainer + OPTIMIZER_TITLES.get(name, f"+{name}")
+    return f"{title} [{mode}]" if mode else title
 
 
 @lru_cache(maxsize=4)
@@ -119,5 +136,7 @@ def load_paper_results(path: str = PAPER_CSV) -> dict[tuple[str, str, str, str, 
 def paper_value(
     table: str, trainer: str, optimizer: str, dataset: str, metric: str = "acc"
 ) -> float | None:
-    """One published number, or None where the paper has no such cell."""
+    """One published number, or None where the paper has no such cell (any reproduction mode's
+    row is compared with the published number)."""
+    optimizer = split_mode(optimizer)[0]
     return load_paper_results().get((table, trainer, optimizer, dataset, metric))

@@ -12,9 +12,16 @@ component (``{cfg}`` -> ``{cfg}+{optim}``; plain ``sgd`` runs keep CoOp's exact 
 Cross-dataset (10 targets) and domain generalization (4 ImageNet variants) evaluate the same
 ImageNet training runs. A ``tag`` (for runs whose extra options change the experiment, e.g. a
 rho sweep) makes the component ``{cfg}+{optim}-{tag}``. Config names must not contain ``+``.
+The reproduction mode (``Setup.repro``, README "What reproduces what"): ``paper`` runs keep the
+folders above; ``released`` runs (``train.py --repro released``) carry the tag ``released``
+first (``{cfg}+{optim}-released``, sgd runs too: ``{cfg}+sgd-released``), so the two modes
+never share a folder or a table cell.
 A chain's ``variant`` (KEY VALUE options of one point of a sweep, see ``tools/grid.py``) is
 passed to all its runs and named in the tag (:func:`options_tag`: ``OPTIM.SAM.RHO 0.1`` ->
 ``rho0.1``; after the ``--tag``, if any: ``{tag}_rho0.1``), so sweep points never share a folder.
+
+Every training run gets ``DATALOADER.TRAIN_X.DROP_LAST True`` (:data:`TRAIN_OPTS`: Dassl's
+loader, as in the code bases that produced the published numbers).
 
 Config files of a run: ``configs/trainers/{trainer}/{cfg}.yaml``, then the per-dataset
 overlays that exist, in this order: ``configs/trainers/{trainer}/per_dataset/{dataset}.yaml``
@@ -67,11 +74,12 @@ TRANSFER_CFG = {
     "MaPLe": "vit_b16_c2_ep5_batch4_2ctx_cross_datasets",
     "PromptSRC": "vit_b16_c2_ep5_batch4_4x4ctx_cross_datasets",  # "..._4+4ctx_..." (a link)
 }
-# Options a config needs with every sharpness-aware optimizer: the staged optimizer configs
-# switch at OPTIM.SAM.START_EPOCH 3, past the 2 epochs of MaPLe's cross-dataset config.
-SAM_CFG_OPTS = {
-    ("MaPLe", "vit_b16_c2_ep5_batch4_2ctx_cross_datasets"): ("OPTIM.SAM.START_EPOCH", "1"),
-}
+# Options of every training run of the grid: Dassl's drop_last (the original code bases').
+# No config needs per-optimizer options any more: the staged SAMPLe configs of MaPLe/CoPrompt
+# add their stage 2 after the published schedule (OPTIM.SAM.STAGE2_EPOCHS), so MaPLe's 2-epoch
+# cross-dataset config trains its projections for a full-LR epoch before they are frozen.
+TRAIN_OPTS = ("DATALOADER.TRAIN_X.DROP_LAST", "True")
+REPRO_MODES = ("paper", "released")  # engine/repro.py; "paper" is the default
 
 
 class ProtocolError(ValueError):
@@ -90,6 +98,7 @@ class Setup:
         opts: KEY VALUE options appended to every train.py command.
         cfgs: ``{trainer: cfg}`` overriding the default configs.
         python: the interpreter that runs train.py.
+        repro: reproduction mode, ``paper`` (default) or ``released`` (folder tag, --repro).
     """
 
     data: str = ""
@@ -99,6 +108,11 @@ class Setup:
     opts: tuple[str, ...] = ()
     cfgs: tuple[tuple[str, str], ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
+    repro: str = "paper"
+
+    def __post_init__(self):
+        if self.repro not in REPRO_MODES:
+            raise ProtocolError(f"Reproduction mode {self.repro!r}: one of {REPRO_MODES}")
 
     def cfg_for(self, protocol: str, trainer: str, dataset: str) -> str:
         """The trainer config of a training run."""
@@ -135,6 +149,7 @@ class Run:
         model_dir: eval runs: the training run folder.
         protocol_opts: KEY VALUE options the protocol sets (the variant's included).
         variant: KEY VALUE options of a sweep point (named in the folder's tag).
+        repro: the reproduction mode (``train.py --repro``; named in the folder's tag).
     """
 
     protocol: str
@@ -150,12 +165,14 @@ class Run:
     model_dir: str = ""
     protocol_opts: tuple[str, ...] = ()
     variant: tuple[str, ...] = ()
+    repro: str = "paper"
 
     @property
     def label(self) -> str:
         step = {"base2new": ("train_base", "test_new")}.get(self.protocol, ("train", "eval"))
         what = step[0] if self.stage == "train" else step[1]
         variant = f" {options_tag(self.variant)}" if self.variant else ""
+        variant += f" [{self.repro}]" if self.repro != "paper" else ""
         return (
             f"{self.trainer}{'' if self.optim == 'sgd' else '+' + self.optim}{variant} "
             f"{self.protocol} {what} {self.dataset} seed{self.seed}"
@@ -175,6 +192,8 @@ class Run:
             if load_epoch is None:
                 raise ProtocolError(f"{self.label}: the evaluation needs the training epoch")
             cmd += ["--eval-only", "--model-dir", self.model_dir, "--load-epoch", str(load_epoch)]
+        if self.repro != "paper":
+            cmd += ["--repro", self.repro]
         return cmd + list(self.protocol_opts) + list(setup.opts)
 
 
@@ -229,9 +248,17 @@ def options_tag(opts: tuple[str, ...] | list[str]) -> str:
     return "_".join(parts)
 
 
-def run_tag(setup_tag: str, variant: tuple[str, ...]) -> str:
-    """The tag of a run: the ``--tag`` and the variant's :func:`options_tag`, joined by ``_``."""
-    return "_".join(t for t in (setup_tag, options_tag(variant)) if t)
+def run_tag(setup_tag: str, variant: tuple[str, ...], repro: str = "paper") -> str:
+    """The tag of a run: ``released`` (that mode only), the ``--tag`` and the variant's
+    :func:`options_tag`, joined by ``_``."""
+    mode = "" if repro == "paper" else repro
+    return "_".join(t for t in (mode, setup_tag, options_tag(variant)) if t)
+
+
+def repro_of(tag: str) -> str:
+    """The reproduction mode of a folder tag (:func:`run_tag`)."""
+    first = tag.split("_", 1)[0]
+    return first if first in REPRO_MODES[1:] else "paper"
 
 
 def split_cfg_component(name: str) -> tuple[str, str, str]:
@@ -275,9 +302,9 @@ def trainer_config_files(trainer: str, cfg: str, dataset: str) -> tuple[str, ...
     )
 
 
-def protocol_opts(trainer: str, cfg: str, optim: str, *opts: str) -> tuple[str, ...]:
-    """The protocol's KEY VALUE options plus those the config needs with ``optim``."""
-    return tuple(opts) + (SAM_CFG_OPTS.get((trainer, cfg), ()) if optim != "sgd" else ())
+def protocol_opts(stage: str, *opts: str) -> tuple[str, ...]:
+    """The protocol's KEY VALUE options of a ``train`` or ``eval`` run (:data:`TRAIN_OPTS`)."""
+    return (TRAIN_OPTS if stage == "train" else ()) + tuple(opts)
 
 
 def optim_config_file(trainer: str, optim: str) -> str:
@@ -312,7 +339,7 @@ def base2new_chain(
     ``variant``: KEY VALUE options of a sweep point, for both runs (named in the folder tag).
     """
     cfg = setup.cfg_for("base2new", trainer, dataset)
-    comp = cfg_component(cfg, optim, run_tag(setup.tag, variant))
+    comp = cfg_component(cfg, optim, run_tag(setup.tag, variant, setup.repro))
     train_dir, test_dir = base2new_dirs(setup, dataset, trainer, comp, seed)
     shots = ("DATASET.NUM_SHOTS", str(setup.shots))
     train = Run(
@@ -326,18 +353,17 @@ def base2new_chain(
         train_dir,
         trainer_config_files(trainer, cfg, dataset),
         optim_config_file(trainer, optim),
-        protocol_opts=protocol_opts(
-            trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "base"
-        )
+        protocol_opts=protocol_opts("train", *shots, "DATASET.SUBSAMPLE_CLASSES", "base")
         + tuple(variant),
         variant=tuple(variant),
+        repro=setup.repro,
     )
     test = replace(
         train,
         stage="eval",
         out_dir=test_dir,
         model_dir=train_dir,
-        protocol_opts=protocol_opts(trainer, cfg, optim, *shots, "DATASET.SUBSAMPLE_CLASSES", "new")
+        protocol_opts=protocol_opts("eval", *shots, "DATASET.SUBSAMPLE_CLASSES", "new")
         + tuple(variant),
     )
     return Chain(train, [test])
@@ -356,7 +382,7 @@ def transfer_chain(
     ``variant``: KEY VALUE options of a sweep point, for every run (named in the folder tag).
     """
     cfg = setup.cfg_for("cross_dataset", trainer, SOURCE_DATASET)
-    comp = cfg_component(cfg, optim, run_tag(setup.tag, variant))
+    comp = cfg_component(cfg, optim, run_tag(setup.tag, variant, setup.repro))
     train_dir, _ = transfer_dirs(setup, trainer, comp, seed, SOURCE_DATASET)
     protocol = targets[0][0] if targets else "cross_dataset"
     train = Run(
@@ -370,9 +396,10 @@ def transfer_chain(
         train_dir,
         trainer_config_files(trainer, cfg, SOURCE_DATASET),
         optim_config_file(trainer, optim),
-        protocol_opts=protocol_opts(trainer, cfg, optim, "DATASET.NUM_SHOTS", str(setup.shots))
+        protocol_opts=protocol_opts("train", "DATASET.NUM_SHOTS", str(setup.shots))
         + tuple(variant),
         variant=tuple(variant),
+        repro=setup.repro,
     )
     evals = [
         replace(
@@ -382,7 +409,7 @@ def transfer_chain(
             dataset=target,
             out_dir=transfer_dirs(setup, trainer, comp, seed, target)[1],
             model_dir=train_dir,
-            protocol_opts=protocol_opts(trainer, cfg, optim) + tuple(variant),
+            protocol_opts=protocol_opts("eval") + tuple(variant),
         )
         for proto, target in targets
     ]
@@ -399,7 +426,8 @@ def run_status(run: Run) -> str:
 
 
 def load_epoch(train_dir: str) -> int:
-    """The epoch to load from a finished training run: its ``OPTIM.MAX_EPOCH``.
+    """The epoch to load from a finished training run: its last, ``OPTIM.MAX_EPOCH`` plus
+    ``OPTIM.SAM.STAGE2_EPOCHS`` (staged training adds its stage 2 after the published schedule).
 
     Read from the run's ``config.yaml``, else from a ``<model>/checkpoint`` pointer file; the
     checkpoint ``<model>/model.pth.tar-<epoch>`` must exist.
@@ -410,7 +438,9 @@ def load_epoch(train_dir: str) -> int:
     cfg_path = osp.join(train_dir, "config.yaml")
     if osp.isfile(cfg_path):
         with open(cfg_path) as f:
-            epoch = int((yaml.safe_load(f) or {}).get("OPTIM", {}).get("MAX_EPOCH", 0)) or None
+            optim = (yaml.safe_load(f) or {}).get("OPTIM", {})
+        stage2 = int((optim.get("SAM") or {}).get("STAGE2_EPOCHS", 0) or 0)
+        epoch = int(optim.get("MAX_EPOCH", 0)) + max(stage2, 0) or None
     pointers = sorted(glob.glob(osp.join(train_dir, "*", "checkpoint")))
     if epoch is None:
         for pointer in pointers:

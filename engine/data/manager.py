@@ -155,8 +155,9 @@ def build_data_loader(
 ):
     """A DataLoader over ``data_source`` with Dassl's settings.
 
-    Training loaders keep every sample (no drop_last: few-shot sets are small and CoOp's
-    drop_last silently dropped up to a batch of them every epoch).
+    Training loaders keep every sample unless ``DATALOADER.TRAIN_X.DROP_LAST`` (Dassl's
+    behaviour, set by the paper grid's protocols): then the last partial batch is dropped when
+    the set is at least one batch (1-shot OxfordPets: 37 samples, batch 32: 5 dropped).
     """
     if sampler_type not in ("RandomSampler", "SequentialSampler"):
         raise ValueError(
@@ -171,7 +172,7 @@ def build_data_loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        drop_last=False,
+        drop_last=is_train and cfg.DATALOADER.TRAIN_X.DROP_LAST and len(data_source) >= batch_size,
         pin_memory=torch.cuda.is_available() and cfg.USE_CUDA,
         persistent_workers=num_workers > 0 and is_train,
     )
