@@ -148,6 +148,7 @@ class IndependentPromptLearner(nn.Module):
         register_class_prompts(self, embedding, prompts, n_ctx_text)
         self.n_cls, self.n_ctx_text, self.n_ctx_vision = len(names), n_ctx_text, n_ctx_vision
         self.depth_text, self.depth_vision = depth_text, depth_vision
+        self.n_ctx = n_ctx_text  # the text context length, the name CoOp-family code reads
         self.prompt_prefix = prompt_prefix
 
     def forward(self) -> MaPLePrompts:
