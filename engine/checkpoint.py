@@ -253,6 +253,21 @@ def infer_trainer(checkpoint: dict, path: str) -> tuple[str, str]:
     return "an unknown trainer", how
 
 
+def _apply_config_hparams(optim, sched, config_groups: list, config_base_lrs: list) -> None:
+    """After a resume, the config's hyperparameters (LR, weight decay, ...) win over those in
+    the checkpoint's optimizer state (the same values unless the config changed, e.g. a lower
+    OPTIM.LR after a divergence with --force-resume); momenta and the epoch come from the
+    checkpoint."""
+    if optim is None or len(config_groups) != len(optim.param_groups):
+        return
+    for group, config in zip(optim.param_groups, config_groups):
+        group.update(config)
+    if config_base_lrs and hasattr(sched, "base_lrs"):
+        sched.base_lrs = config_base_lrs
+        if hasattr(sched, "_apply"):
+            sched._apply()  # the LR of the resumed epoch under the config's schedule
+
+
 class CheckpointMixin:
     """The trainer's checkpoint I/O: save, resume and load every registered model.
 
@@ -342,11 +357,18 @@ class CheckpointMixin:
                     path,
                 )
             else:
-                if self._optims[name] is not None and checkpoint.get("optimizer") is not None:
-                    self._optims[name].load_state_dict(checkpoint["optimizer"])
-                if self._scheds[name] is not None and checkpoint.get("scheduler") is not None:
-                    self._scheds[name].load_state_dict(checkpoint["scheduler"])
+                optim, sched = self._optims[name], self._scheds[name]
+                config_groups = [
+                    {k: v for k, v in g.items() if k != "params"}
+                    for g in (optim.param_groups if optim is not None else [])
+                ]
+                config_base_lrs = list(getattr(sched, "base_lrs", []))
+                if optim is not None and checkpoint.get("optimizer") is not None:
+                    optim.load_state_dict(checkpoint["optimizer"])
+                if sched is not None and checkpoint.get("scheduler") is not None:
+                    sched.load_state_dict(checkpoint["scheduler"])
                 self.load_extra_checkpoint_state(checkpoint)
+                _apply_config_hparams(optim, sched, config_groups, config_base_lrs)
             start_epoch = int(checkpoint["epoch"])
         logger.info("Previous epoch: %d", start_epoch)
         return start_epoch
