@@ -16,7 +16,10 @@ from conftest import ROOT, make_cfg, run_train
 
 from engine import build_trainer
 from engine.clip import TextEncoder, load_clip, tokenize
+from engine.clip.text import full_length_prompts
+from engine.registry import TRAINER_REGISTRY
 from engine.toy import TINY_OPTS, write_tiny_clip
+from tools.benchmark import reference_style
 from trainers.ivlp import IVLPCLIP, IndependentPromptLearner
 from trainers.promptsrc import IMAGENET_TEMPLATES, gpa_weights, promptsrc_losses
 
@@ -67,15 +70,20 @@ def trainer_opts(trainer: str, prec: str = "fp32") -> list[str]:
     return opts
 
 
-def build(trainer, tmp_path, root, deep_opts, *extra, prec="fp32", optim=""):
-    """An in-process trainer on the generated DTD (2 shots, lr 0.01, no warm-up)."""
+def config(trainer, tmp_path, root, deep_opts, *extra, prec="fp32", optim=""):
+    """The config of an in-process run on the generated DTD (2 shots, lr 0.01, no warm-up)."""
     flags = ["--optim-config-file", osp.join(ROOT, f"configs/optim/{trainer}/{optim}.yaml")]
     opts = flags if optim else []
     opts += ["--root", root, "--seed", "1", "--output-dir", str(tmp_path / f"out_{prec}")]
     opts += [*deep_opts, *trainer_opts(trainer, prec), "DATASET.NUM_SHOTS", "2"]
     opts += ["OPTIM.NAME", "sgd", "OPTIM.LR", "0.01", "OPTIM.MAX_EPOCH", "1"]
     opts += ["OPTIM.WARMUP_EPOCH", "0", "TEST.NO_TEST", "True", *extra]
-    return build_trainer(make_cfg(opts, trainer=trainer))
+    return make_cfg(opts, trainer=trainer)
+
+
+def build(trainer, tmp_path, root, deep_opts, *extra, prec="fp32", optim=""):
+    """An in-process trainer of :func:`config`."""
+    return build_trainer(config(trainer, tmp_path, root, deep_opts, *extra, prec=prec, optim=optim))
 
 
 def record_blocks(blocks):
@@ -355,6 +363,46 @@ def test_one_step_trains_every_prompt(trainer, prec, optim, tmp_path, dtd_root_s
     tr.save_model(0, str(tmp_path / "ckpt"))
     path = osp.join(tmp_path, "ckpt", CHECKPOINT_FOLDER[trainer], "model.pth.tar-1")
     assert set(torch.load(path, weights_only=True)["state_dict"]) == STATE[trainer]
+
+
+def _learnable(tr) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tr.model.prompt_learner.state_dict().items()}
+
+
+def _start(tr):
+    tr.before_train()
+    tr.before_epoch()
+    tr.batch_idx = 0
+    return tr
+
+
+@pytest.mark.parametrize("trainer", NEW_TRAINERS)
+def test_steps_equal_the_reference_style(trainer, tmp_path, dtd_root_shared, deep_opts):
+    """Truncated prompts and frozen work once per step give the steps of the reference code
+    bases (77-token prompts, frozen work in both passes of SAMPLe), bit for bit."""
+    cfg = config(trainer, tmp_path, dtd_root_shared, deep_opts, optim="sample")
+    ours = _start(build_trainer(cfg))
+    with full_length_prompts():
+        ref = _start(reference_style(TRAINER_REGISTRY.get(trainer))(cfg))
+    assert (
+        ref.model.prompt_learner.token_suffix.shape[1]
+        > ours.model.prompt_learner.token_suffix.shape[1]
+    )
+    batch = next(iter(ours.train_loader_x))
+    for _ in range(2):  # the second step also uses SAMPLe's moving average
+        out_a, out_b = ours.forward_backward(batch), ref.forward_backward(batch)
+        assert "grad_norm" in out_a and torch.equal(out_a["loss"], out_b["loss"])
+        a, b = _learnable(ours), _learnable(ref)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    images, _ = ours.parse_batch_test(next(iter(ours.test_loader)))
+    logits = []
+    with torch.no_grad():
+        for tr in (ours, ref):
+            tr.set_model_mode("eval")
+            tr.before_test()
+            logits.append(tr.model_inference(images))
+            tr.close_writer()
+    assert torch.equal(*logits)
 
 
 def test_configs_hold_the_published_values():
