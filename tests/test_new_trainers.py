@@ -308,6 +308,7 @@ def test_gpa_saves_and_evaluates_the_weighted_average_of_epochs(tmp_path, dtd_ro
         assert not torch.equal(snaps[0][k], snaps[2][k])  # the epochs differ
 
 
+@pytest.mark.slow
 def test_gpa_resumes_with_the_aggregate_of_earlier_epochs(tmp_path, dtd_root, deep_opts):
     opts = ("OPTIM.MAX_EPOCH", "3", "TRAIN.CHECKPOINT_FREQ", "1")
     full = build("PromptSRC", tmp_path / "a", dtd_root, deep_opts, *opts)
@@ -336,7 +337,9 @@ def test_gpa_resumes_with_the_aggregate_of_earlier_epochs(tmp_path, dtd_root, de
 # Every new trainer: optimizers, precisions, checkpoints, configs
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("optim", ["", "sample"])
-@pytest.mark.parametrize("prec", ["fp32", "fp16", "amp", "bf16"])
+@pytest.mark.parametrize(
+    "prec", ["fp32", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp16", "amp", "bf16"))]
+)
 @pytest.mark.parametrize("trainer", NEW_TRAINERS)
 def test_one_step_trains_every_prompt(trainer, prec, optim, tmp_path, dtd_root_shared, deep_opts):
     tr = build(trainer, tmp_path, dtd_root_shared, deep_opts, prec=prec, optim=optim)
@@ -376,6 +379,7 @@ def _start(tr):
     return tr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", NEW_TRAINERS)
 def test_steps_equal_the_reference_style(trainer, tmp_path, dtd_root_shared, deep_opts):
     """Truncated prompts and frozen work once per step give the steps of the reference code
