@@ -44,7 +44,8 @@ def module_fingerprint(module: nn.Module) -> str:
     for name, t in sorted(module.state_dict().items()):
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # reshape(-1): 0-d buffers (a ResNet's BatchNorm num_batches_tracked) cannot be viewed
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     fp = h.hexdigest()
     module._weights_fingerprint = fp
     return fp

@@ -40,10 +40,10 @@ TINY_RN = {
 
 
 def _without_name(opts: list[str]) -> list[str]:
-    """``opts`` minus ``MODEL.BACKBONE.NAME ""`` (MODEL.BACKBONE.CONFIG wins over the config
-    files' names), with values free of spaces (EXTRA_OPTS is split into words)."""
+    """``opts`` minus ``MODEL.BACKBONE.NAME ""``: MODEL.BACKBONE.CONFIG wins over the config
+    files' names, and EXTRA_OPTS (split into words) cannot hold an empty value."""
     i = opts.index("MODEL.BACKBONE.NAME")
-    return [o.replace(" ", "") for o in opts[:i] + opts[i + 2 :]]
+    return opts[:i] + opts[i + 2 :]
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def run_script(cwd, script: str, args, extra_opts, **env) -> str:
         PATH=osp.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         PYTHON=sys.executable,
         OMP_NUM_THREADS="2",
-        EXTRA_OPTS=" ".join(extra_opts),
+        EXTRA_OPTS=" ".join(o.replace(" ", "") for o in extra_opts),  # words: "(32,32)"
         **env,
     )
     proc = subprocess.run(
@@ -348,12 +348,14 @@ def test_sample_maple_scripts(script_env):
     os.symlink(work / f"output/base2new/train_base/{tail}", weights / "base" / "seed1")
     os.symlink(work / f"output/base2new/train_base/{tail}", weights / "seed1")
     args = ["dtd", "1", str(weights)]
-    run_script(work, "SAMPLeMAP/reproduce_maple.sh", args, extra, LOADEP="1", **env)
+    fresh = work.parent / "reproduce"  # its test_new/ folder is base2new_test_maple.sh's
+    fresh.mkdir()
+    run_script(fresh, "SAMPLeMAP/reproduce_maple.sh", args, extra, LOADEP="1", **env)
     for split in ("test_base", "test_new"):
-        assert 0 <= accuracy(work / f"output/base2new/{split}/{tail}") <= 100
-    run_script(work, "SAMPLeMAP/reproduce_maple_xd.sh", args, extra, LOADEP="1", **env)
+        assert 0 <= accuracy(fresh / f"output/base2new/{split}/{tail}") <= 100
+    run_script(fresh, "SAMPLeMAP/reproduce_maple_xd.sh", args, extra, LOADEP="1", **env)
     xd = "output/evaluation/MaPLe/vit_b16_c2_ep5_batch4_2ctx_cross_datasets_16shots/dtd/seed1"
-    assert 0 <= accuracy(work / xd) <= 100
+    assert 0 <= accuracy(fresh / xd) <= 100
     cfg = "vit_b16_c2_ep5_batch4_2ctx_cross_datasets"
     run_script(work, "SAMPLeMAP/xd_train.sh", ["dtd", cfg, *B2N], extra, **env)
     assert 0 <= accuracy(work / f"output/Cross_Dataset/dtd/SAMPLeMAP/{cfg}_16shots/{TAIL}") <= 100
