@@ -13,6 +13,7 @@
 #   DATA=/data REPRO=released bash scripts/base2new.sh dtd   # the released code's training
 #
 # Folders: OUTPUT/base2new/{train_base,test_new}/DATASET/shots_SHOTS/TRAINER/CFG[+OPTIM]/seedN
+#   with the default REPRO=released: CFG+OPTIM-released (sgd: CFG+sgd-released)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 split_args "$@"
 if [[ ${#REST[@]} -eq 0 || "${REST[0]}" == *.* ]]; then

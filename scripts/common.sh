@@ -11,9 +11,10 @@
 #   CFG      [the trainer's paper config]  a name in configs/trainers/<TRAINER>/ (one trainer)
 #   SEEDS    [1 2 3]   SHOTS [16]   OUTPUT [output]
 #   TAG      []        folder suffix for runs whose extra options change the experiment
-#   REPRO    [paper]   reproduction mode: paper, released (the SAMPLe authors' released code
-#                      emulated; folders tagged "released") or "paper released" (both); README,
-#                      section "What reproduces what"
+#   REPRO    [released] reproduction mode: released (the SAMPLe authors' released code
+#                      emulated, judged the likelier to reproduce the published tables; folders
+#                      tagged "released"), paper (the method as the paper writes it; CoOp's
+#                      folders) or "paper released"; README, section "What reproduces what"
 #   PYTHON   [python]
 # Arguments: [grid.py options such as --dry-run --commands --gpus=auto --quiet] ...
 #            [KEY VALUE ...]  config options for every train.py run (e.g. MODEL.BACKBONE.PATH f)
@@ -41,7 +42,7 @@ run_grid() {
   if [[ -n "${CFG:-}" ]]; then cmd+=(--cfg "$CFG"); fi
   if [[ -n "${TAG:-}" ]]; then cmd+=(--tag "$TAG"); fi
   # shellcheck disable=SC2206  # REPRO may name both modes
-  if [[ -n "${REPRO:-}" ]]; then cmd+=(--repro $REPRO); fi
+  cmd+=(--repro ${REPRO:-released})
   cmd+=("$@" ${GRID_FLAGS[@]+"${GRID_FLAGS[@]}"})
   if [[ ${#OPTS[@]} -gt 0 ]]; then cmd+=(-- "${OPTS[@]}"); fi
   echo "+ ${cmd[*]}"

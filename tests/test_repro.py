@@ -51,6 +51,20 @@ def test_released_mode_overlay(how):
     assert not cfg.DATALOADER.TRAIN_X.DROP_LAST and cfg.OPTIM.LR_STEP_PER_BATCH
 
 
+def test_released_cocoop_uses_its_own_samples_copy():
+    def variant(optim, *flags):
+        path = osp.join(ROOT, f"configs/optim/CoCoOp/{optim}.yaml")
+        return make_cfg([*flags, "--optim-config-file", path], trainer="CoCoOp").OPTIM.SAM
+
+    assert (variant("sample", "--repro", "released").VARIANT, variant("sample").VARIANT) == (
+        "reference-cocoop",
+        "paper",
+    )
+    assert variant("sam", "--repro", "released").VARIANT == "reference"  # SAMPLe's copy only
+    assert variant("sample", "--repro", "released").UPDATE == ""  # the variant's own: mean
+    assert variant("sample").UPDATE == "mean"  # the paper mode's explicit choice
+
+
 def test_unknown_or_contradicting_modes_are_errors():
     with pytest.raises(ConfigError, match="REPRODUCTION 'exact': one of paper, released"):
         make_cfg(["REPRODUCTION", "exact"])
@@ -109,7 +123,7 @@ def test_released_mode_lr_sequence_matches_the_released_trainers(
     assert lrs[1] == pytest.approx([0.0005, 0.0015, 0.002, 0.0015])
     assert lrs[2][0] == pytest.approx(0.0)  # t = 9: cos(3 pi) -> the LR oscillates
     # the paper mode: once per epoch (1e-5, then the cosine at t = 0, 1), every sample kept
-    tr = _coop(tmp_path / "paper", dtd_root, tiny_clip_opts)
+    tr = _coop(tmp_path / "paper", dtd_root, tiny_clip_opts)  # the paper mode
     lrs = _lr_per_batch(tr)
     assert [len(e) for e in lrs] == [5] * 3  # 14 images, batch 3: the last partial batch kept
     assert [e[0] for e in lrs] == pytest.approx([1e-5, 0.002, 0.0015])
@@ -267,3 +281,36 @@ def test_make_tables_shows_each_mode_as_its_own_row(tmp_path, capsys):
     assert make_tables.main([*argv, "--repro", "released"]) == 0
     text = capsys.readouterr().out
     assert "CoOp+SAMPLe [released]" in text and "[paper]" not in text
+
+
+# ----------------------------------------------------------------------------------------------
+# Point 7: ZeroshotCLIP2's templates, the paper's inconsistent averages
+# ----------------------------------------------------------------------------------------------
+def test_zeroshotclip2_uses_coops_seven_templates_for_imagenet():
+    from trainers.zsclip import IMAGENET_TEMPLATES_SELECT, ZeroshotCLIP2
+
+    zs = ZeroshotCLIP2.__new__(ZeroshotCLIP2)  # templates() reads the config only
+    zs.cfg = make_cfg(["DATASET.NAME", "ImageNet"], trainer="ZeroshotCLIP2")
+    assert zs.templates() == IMAGENET_TEMPLATES_SELECT and len(zs.templates()) == 7
+    zs.cfg = make_cfg([], trainer="ZeroshotCLIP2")  # DTD: CoOp adds its template
+    assert zs.templates() == [*IMAGENET_TEMPLATES_SELECT, "{} texture."]
+    zs.cfg = make_cfg(["DATASET.NAME", "ImageNetV2"], trainer="ZeroshotCLIP2")
+    assert len(zs.templates()) == 8  # CoOp: every dataset but ImageNet gets its template
+
+
+def test_the_papers_inconsistent_averages_are_pinned():
+    from tools.paper_results import AVERAGE_INCONSISTENCIES, average_conventions
+
+    assert len(AVERAGE_INCONSISTENCIES) == 5
+    for trainer, optim, metric, printed, mean, hm in AVERAGE_INCONSISTENCIES:
+        assert paper_value("base2new", trainer, optim, "average", metric) == printed
+        got_mean, got_hm = average_conventions(trainer, optim, metric)
+        assert round(got_mean, 2) == mean and (hm is None) == (got_hm is None)
+        assert abs(printed - got_mean) > 0.05  # the printed cell follows from neither
+        if hm is not None:
+            assert round(got_hm, 2) == hm and abs(printed - got_hm) > 0.05
+    assert average_conventions("TCP", "fsam", "base")[0] == pytest.approx(84.1145, abs=1e-4)
+    # a consistent row for contrast: CoOp's own average HM is the HM of the means
+    assert round(average_conventions("CoOp", "sgd", "hm")[1], 2) == paper_value(
+        "base2new", "CoOp", "sgd", "average", "hm"
+    )

@@ -67,7 +67,7 @@ def _trainer(tmp_path, dtd_root, clip_opts, *extra):
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory, dtd_root_shared, deep_clip_opts):
     tmp = tmp_path_factory.mktemp("tcp")
-    tr = _trainer(tmp, dtd_root_shared, deep_clip_opts, "TRAINER.TCP.W", "3.0")
+    tr = _trainer(tmp, dtd_root_shared, deep_clip_opts, "TRAINER.TCP.KG_WEIGHT", "3.0")
     with torch.no_grad():  # a non-trivial meta-net output
         for p in tr.model.prompt_learner.meta_net.parameters():
             p.normal_(std=0.5)
@@ -172,7 +172,7 @@ def test_loss_is_cross_entropy_plus_weighted_kg_term(trainer):
         ce = F.cross_entropy(logits, label)
         cos = (text * t_clip).sum(-1) / (text.norm(dim=-1) * t_clip.norm(dim=-1))
         kg = 1 - cos.mean()
-    assert kg > 1e-3 and trainer.cfg.TRAINER.TCP.W == 3.0
+    assert kg > 1e-3 and trainer.cfg.TRAINER.TCP.KG_WEIGHT == 3.0
     torch.testing.assert_close(loss, ce + 3.0 * kg)
     torch.testing.assert_close(summary["kg"], kg)
     torch.testing.assert_close(summary["ce"], ce)
@@ -196,7 +196,7 @@ PRECISIONS = ("fp32", "fp16", "amp", "bf16")
 def test_configs_have_tcp_values():
     cfg = make_cfg([], trainer="TCP", config_file=CONFIG)
     c, o = cfg.TRAINER.TCP, cfg.OPTIM
-    assert (c.N_CTX, c.PREC, c.W, c.INJECT_LAYER) == (4, "fp16", 8.0, 8)
+    assert (c.N_CTX, c.PREC, c.KG_WEIGHT, c.INJECT_LAYER, c.W) == (4, "fp16", 8.0, 8, None)
     assert (o.NAME, o.LR, o.WEIGHT_DECAY, o.ADAM_EPS, o.MAX_EPOCH) == (
         "adam",
         0.002,
@@ -210,6 +210,18 @@ def test_configs_have_tcp_values():
     assert make_cfg([], trainer="TCP", config_file=ep25).OPTIM.MAX_EPOCH == 25
     ep50 = make_cfg(["--seed", "1", "OPTIM.MAX_EPOCH", "50"], trainer="TCP", config_file=ep25)
     assert ep50 == make_cfg(["--seed", "1"], trainer="TCP", config_file=CONFIG)
+
+
+def test_the_old_weight_name_is_refused_with_a_pointer(tmp_path, dtd_root_shared, deep_clip_opts):
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="TRAINER.TCP.W 8.0: the KgCoOp loss weight is now "
+                       "TRAINER.TCP.KG_WEIGHT"):  # fmt: skip
+        _trainer(tmp_path, dtd_root_shared, deep_clip_opts, "TRAINER.TCP.W", "8.0")
+    with pytest.raises(ConfigError, match="KG_WEIGHT .* must be >= 0"):
+        _trainer(tmp_path, dtd_root_shared, deep_clip_opts, "TRAINER.TCP.KG_WEIGHT", "-1.0")
+    with pytest.raises(ConfigError, match="Unknown config key 'TRAINER.COOP.W'"):
+        make_cfg(["TRAINER.COOP.W", "1.0"], trainer="TCP", config_file=CONFIG)
 
 
 def _train_args(root, out, clip_opts, *extra, flags=()):

@@ -28,10 +28,12 @@ Examples::
 Everything after ``--`` is passed to every train.py command as KEY VALUE options (options that
 change the experiment belong with a ``--tag``, or their runs share the default folders).
 
-``--repro paper|released`` (both: ``--repro paper released``) picks the reproduction mode
-(README, "What reproduces what"): ``paper`` (the default) keeps the folders above, ``released``
-(an emulation of the SAMPLe authors' released code) runs ``train.py --repro released`` into
-folders tagged ``released`` (``{cfg}+{optim}-released``).
+``--repro paper|released`` (both: ``--repro paper released``; default ``$REPRO``) picks the
+reproduction mode (README, "What reproduces what"): ``paper`` keeps the folders above,
+``released`` (an emulation of the SAMPLe authors' released code) runs ``train.py --repro
+released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, the
+paper's grids (``--preset paper*``) run ``released``, the mode judged more likely to reproduce
+the published tables (README); other grids run ``paper``.
 """
 
 from __future__ import annotations
@@ -427,9 +429,9 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
         "--repro",
         nargs="+",
         choices=REPRO_MODES,
-        default=[os.environ.get("REPRO") or "paper"],
-        help="reproduction mode(s): paper (default; $REPRO) and/or released (the SAMPLe "
-        "authors' released code emulated; folders tagged 'released')",
+        help="reproduction mode(s): paper and/or released (the SAMPLe authors' released code "
+        "emulated; folders tagged 'released'). Default: $REPRO, else released for --preset "
+        "paper* (the paper's grids) and paper for other grids",
     )
 
 
@@ -479,8 +481,20 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
         tag=args.tag,
         opts=tuple(opts or ()),
         cfgs=tuple(sorted(cfgs.items())),
-        repro=(getattr(args, "repro", None) or ["paper"])[0],
+        repro=repro_modes(args)[0],
     )
+
+
+def repro_modes(args) -> list[str]:
+    """The reproduction modes of a grid: ``--repro``, else ``$REPRO``, else ``released`` for
+    the paper's grids (``--preset paper*``) and ``paper`` for other grids."""
+    given = getattr(args, "repro", None) or os.environ.get("REPRO", "").split()
+    if given:
+        bad = [m for m in given if m not in REPRO_MODES]
+        if bad:
+            raise GridError(f"Reproduction mode {bad[0]!r} ($REPRO): one of {REPRO_MODES}")
+        return list(dict.fromkeys(given))
+    return ["released" if (getattr(args, "preset", None) or "").startswith("paper") else "paper"]
 
 
 def expand_modes(grids: list[SubGrid], setup: Setup, modes) -> list[Chain]:
@@ -556,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         setup = setup_from_args(args, opts)
-        chains = expand_modes(grids_from_args(args), setup, args.repro)
+        chains = expand_modes(grids_from_args(args), setup, repro_modes(args))
         pending = print_plan(chains, setup, args.dry_run, args.commands)
         if args.dry_run or not pending:
             return 0

@@ -26,10 +26,11 @@ Default pairs: each sharpness-aware row against its trainer's base-optimizer (``
 seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
 report (``tools/report.py``).
 
-Reproduction modes (README, "What reproduces what"): ``--repro paper`` (default), ``--repro
-released`` or ``--repro paper released``. When runs of the ``released`` mode are in the tables,
-every row carries its mode (``CoOp+SAMPLe [paper]``, ``CoOp+SAMPLe [released]``; the folders are
-kept apart by their ``released`` tag) and each mode's row is compared with the paper's number;
+Reproduction modes (README, "What reproduces what"): ``--repro paper``, ``--repro released`` or
+both (the default: every mode that has run folders). When runs of the ``released`` mode are in
+the tables, every row carries its mode (``CoOp+SAMPLe [paper]``, ``CoOp+SAMPLe [released]``; the
+folders are kept apart by their ``released`` tag) and each mode's row is compared with the
+paper's number;
 ``--compare`` names such rows as ``CoOp+SAMPLe@released``.
 
 Examples::
@@ -726,7 +727,7 @@ def build(args) -> Results:
             "The tables have one cell per trainer x optimizer x dataset and would merge the "
             "values of a sweep: plot sweeps with tools/plot_sweep.py"
         )
-    modes = list(dict.fromkeys(getattr(args, "repro", None) or ["paper"]))
+    modes = list(dict.fromkeys(getattr(args, "repro", None) or ["paper", "released"]))
     chains = expand_modes(grids, setup_from_args(args), modes)
     found = [
         m for m in modes if any(osp.isdir(c.train.out_dir) for c in chains if c.train.repro == m)

@@ -4,10 +4,14 @@ A shared learnable context at token positions 1..N_CTX of a per-dataset template
 class-aware tokens: the frozen CLIP's L2-normalised features ``t_clip`` of hand-crafted prompts go
 through a meta-net Linear(dim, dim // 4) -> QuickGELU -> Linear(dim // 4, N_CTX * width), and
 the result replaces token positions 1..N_CTX inside the text transformer, before block
-``TRAINER.TCP.INJECT_LAYER`` (8). Loss = cross-entropy + W * (1 - mean cos(text, t_clip)), the
-KgCoOp regulariser (W = 8.0). Differences from the TCP code base, all deliberate:
+``TRAINER.TCP.INJECT_LAYER`` (8). Loss = cross-entropy + KG_WEIGHT * (1 - mean cos(text,
+t_clip)), the KgCoOp regulariser (KG_WEIGHT = 8.0). Differences from the TCP code base, all
+deliberate:
 
-- the KgCoOp weight is the config key ``TRAINER.TCP.W`` (TCP hard-codes 8.0 in the loss);
+- the KgCoOp weight is the config key ``TRAINER.TCP.KG_WEIGHT`` (TCP hard-codes 8.0 in the loss;
+  its script's ``TRAINER.COOP.W 1.0`` is another, unused knob, unknown here). The earlier name
+  ``TRAINER.TCP.W`` is refused with a pointer, so a renamed script cannot silently train with
+  another weight;
 - ``t_clip`` comes from the same frozen CLIP (TCP loads a second copy) and is computed once;
   it and the class-token buffers are non-persistent, so checkpoints hold ``ctx`` and
   ``meta_net.*`` (TCP's names) and a base-class model evaluates on new classes;
@@ -29,6 +33,7 @@ from open_clip.transformer import QuickGELU
 from torch import nn
 
 from engine.clip import TextEncoder, encode_texts, load_clip
+from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.utils import compute_accuracy
 
@@ -105,7 +110,8 @@ def add_tcp_config(cfg) -> None:
     cfg.TRAINER.TCP = CN()
     cfg.TRAINER.TCP.N_CTX = 4  # context tokens = class-aware tokens per prompt
     cfg.TRAINER.TCP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 prompt learner) | amp | bf16
-    cfg.TRAINER.TCP.W = 8.0  # weight of the KgCoOp loss 1 - mean cos(text, t_clip)
+    cfg.TRAINER.TCP.KG_WEIGHT = 8.0  # weight of the KgCoOp loss 1 - mean cos(text, t_clip)
+    cfg.TRAINER.TCP.W = None  # renamed KG_WEIGHT: any value is refused with a pointer
     # text block (0-based) before which the class-aware tokens replace positions 1..N_CTX
     cfg.TRAINER.TCP.INJECT_LAYER = 8
 
@@ -228,8 +234,16 @@ class TCP(PromptTrainer):
             raise ValueError(f"TRAINER.TCP.N_CTX must be >= 1, got {c.N_CTX}")
         if c.INJECT_LAYER < 0:
             raise ValueError(f"TRAINER.TCP.INJECT_LAYER must be >= 0, got {c.INJECT_LAYER}")
-        if c.W < 0:
-            raise ValueError(f"TRAINER.TCP.W (the KgCoOp loss weight) must be >= 0, got {c.W}")
+        if c.W is not None:
+            raise ConfigError(
+                f"TRAINER.TCP.W {c.W}: the KgCoOp loss weight is now TRAINER.TCP.KG_WEIGHT "
+                "(TCP's 8.0 by default), a name that cannot be taken for TRAINER.COOP.W (the "
+                "unused knob TCP's script sets to 1.0); set TRAINER.TCP.KG_WEIGHT instead"
+            )
+        if c.KG_WEIGHT < 0:
+            raise ConfigError(
+                f"TRAINER.TCP.KG_WEIGHT (the KgCoOp loss weight) must be >= 0, got {c.KG_WEIGHT}"
+            )
 
     def build_model(self):
         cfg = self.cfg
@@ -243,6 +257,6 @@ class TCP(PromptTrainer):
         logits = self.model.logits(image_features, text_features)
         ce = F.cross_entropy(logits.float(), label)
         kg = kg_loss(text_features, self.model.prompt_learner.t_clip)
-        loss = ce + self.cfg.TRAINER.TCP.W * kg
+        loss = ce + self.cfg.TRAINER.TCP.KG_WEIGHT * kg
         summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}
         return loss, summary

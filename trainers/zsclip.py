@@ -121,9 +121,12 @@ class ZeroshotCLIP(TrainerX):
 
 @TRAINER_REGISTRY.register()
 class ZeroshotCLIP2(ZeroshotCLIP):
-    """Prompt ensembling: CoOp's selected ImageNet templates plus the dataset template."""
+    """Prompt ensembling as CoOp's ZeroshotCLIP2: its 7 selected ImageNet templates, plus the
+    dataset template for every dataset but ImageNet (whose template is already among them)."""
 
     add_config = staticmethod(lambda cfg: None)  # shares TRAINER.ZEROSHOTCLIP
 
     def templates(self) -> list[str]:
+        if self.cfg.DATASET.NAME == "ImageNet":
+            return list(IMAGENET_TEMPLATES_SELECT)
         return IMAGENET_TEMPLATES_SELECT + [dataset_template(self.cfg.DATASET.NAME)]
