@@ -4,8 +4,8 @@ The authors' released code base (HRajoliN/Sharpness-Aware-Minimization-in-VLMs) 
 ``--trainer SAMPLe`` (CoOp's prompt learner), ``SAMPLeCoCoOp``, ``SAMPLeMAP`` (MaPLe) and
 ``SAMPLeSRC`` (PromptSRC), all reading their optimizer settings from ``TRAINER.SAMPLe``. Here
 each name is the project's trainer of that prompt learner, and :meth:`translate_cfg` (called by
-:func:`engine.cli.setup_cfg` before the config is frozen) maps the authors' keys onto this
-project's keys:
+:func:`engine.cli.setup_cfg` after the config files and options, before the reproduction mode's
+overlay and the freeze) maps the authors' keys onto this project's keys:
 
 ==========================  ======================================================================
 ``TRAINER.SAMPLe.``         becomes
@@ -29,7 +29,9 @@ Where the released code of one alias trains differently from the project's optim
 same name, the ``released`` mode picks the optimizer that does what that code does:
 ``SAMPLeCoCoOp`` with ``SAMPLe`` (its copy of the optimizer has the moving average and the
 exploration term commented out: ``e = rho g/||g|| - alpha g``, update ``0.5 g + 0.5 g_p``) is
-``sagm``; ``SAMPLeSRC`` with ``SAM`` (its copy averages ``0.5 g + 0.5 g_p``) is ``sagm`` with
+``sagm`` (the ``reference-cocoop`` variant of ``sample`` up to SAGM's 1e-12 epsilon; the overlays
+under ``configs/repro/released/<TRAINER>/`` are keyed by trainer name and do not apply to an
+alias); ``SAMPLeSRC`` with ``SAM`` (its copy averages ``0.5 g + 0.5 g_p``) is ``sagm`` with
 ``ALPHA 0``. The ``paper`` mode always uses ``sam`` / ``sample``.
 """
 
