@@ -310,6 +310,34 @@ def test_parameters_that_blow_up_with_a_finite_loss_stop_the_run(coop):
             ctx.copy_(saved)
 
 
+def test_weights_blown_up_by_the_last_step_of_an_epoch(tmp_path, dtd_root, tiny_clip_opts):
+    """The last step of epoch 2 makes the context inf while its loss is finite: the run stops
+    before the epoch's checkpoint, keeping epoch 1's, and marks the folder as diverged."""
+    out = str(tmp_path / "run")
+    cfg = make_cfg(
+        [*tiny_clip_opts, "DATASET.ROOT", dtd_root, "OUTPUT_DIR", out, "OPTIM.MAX_EPOCH", "3",
+         "DATASET.NUM_SHOTS", "4", "TRAINER.COOP.PREC", "fp32", "SEED", "1"],
+        trainer="CoOp",
+    )  # fmt: skip
+    trainer = build_trainer(cfg)
+    step = trainer.forward_backward
+
+    def forward_backward(batch):
+        result = step(batch)
+        if trainer.epoch == 1 and trainer.batch_idx == trainer.num_batches - 1:
+            with torch.no_grad():
+                trainer.get_model("prompt_learner").ctx.mul_(float("inf"))
+        return result
+
+    trainer.forward_backward = forward_backward
+    with pytest.raises(FloatingPointError, match=r"Parameters became infinite or NaN at epoch 2/3"):
+        trainer.train()
+    assert os.listdir(osp.join(out, "prompt_learner")) == [ROLLING_NAME]
+    rolling = osp.join(out, "prompt_learner", ROLLING_NAME)
+    assert load_checkpoint(rolling)["epoch"] == 1 and _all_finite(rolling)
+    assert json.load(open(osp.join(out, "diverged.json")))["epoch"] == 2
+
+
 def test_evaluation_refuses_nonfinite_logits(tmp_path, dtd_root, tiny_clip_opts):
     model_dir = tmp_path / "model"
     (model_dir / "prompt_learner").mkdir(parents=True)
@@ -527,6 +555,23 @@ def test_original_maple_and_coprompt_checkpoints_map_to_this_projects_names(
     got = coprompt.get_model(name).state_dict()
     assert torch.equal(got["image_adapter.0.weight"], original["adapter_image.fc.0.weight"])
     assert torch.equal(got["prompt_learner.ctx"], original["prompt_learner.ctx"])
+
+
+@pytest.mark.parametrize(
+    "trainer, opts",
+    [("CoCoOp", ("TRAINER.COCOOP.PREC", "fp32")), ("TCP", ("TRAINER.TCP.INJECT_LAYER", "1"))],
+)
+def test_original_cocoop_and_tcp_checkpoints_load(tmp_path, tiny_clip_opts, trainer, opts):
+    model = build_trainer(make_cfg([*tiny_clip_opts, *opts], trainer=trainer), classnames=CLASSES)
+    own = model.get_model("prompt_learner").state_dict()
+    original = {k: torch.randn_like(v) for k, v in own.items()}  # ctx, meta_net.linear1/2.*
+    original["token_prefix"] = torch.randn(3, 1, 32)
+    original["token_suffix"] = torch.randn(3, 72, 32)
+    (tmp_path / "prompt_learner").mkdir()
+    torch.save(_dassl_checkpoint(original), tmp_path / "prompt_learner" / "model.pth.tar-2")
+    model.load_model(str(tmp_path), epoch=2)
+    for k, v in model.get_model("prompt_learner").state_dict().items():
+        assert torch.equal(v, original[k]), k
 
 
 # -- 10: checkpoints of another trainer or other settings -----------------------------------------
