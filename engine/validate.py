@@ -8,26 +8,26 @@ keys (``DATASET``/``DATALOADER``/``INPUT``) are checked by the data side.
 
 from __future__ import annotations
 
-import math
-
 from .errors import ConfigError
 
 _FP32_MAX = 3.4028234663852886e38  # the largest float32: a larger LR overflows in the step
+_POS = f"a number > 0 and <= {_FP32_MAX:.3g} (the float32 range)"
+_NONNEG = f"a number >= 0 and <= {_FP32_MAX:.3g} (the float32 range)"
 
 # (key, test, what is allowed): numbers
 _RANGES = (
     ("OPTIM.MAX_EPOCH", lambda v: v >= 1, "an integer >= 1"),
-    ("OPTIM.LR", lambda v: 0 < v <= _FP32_MAX, f"a number > 0 and <= {_FP32_MAX:.3g} (fp32)"),
-    ("OPTIM.WEIGHT_DECAY", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("OPTIM.LR", lambda v: 0 < v <= _FP32_MAX, _POS),
+    ("OPTIM.WEIGHT_DECAY", lambda v: 0 <= v <= _FP32_MAX, _NONNEG),
     ("OPTIM.MOMENTUM", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("OPTIM.GAMMA", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    ("OPTIM.GAMMA", lambda v: 0 < v <= _FP32_MAX, _POS),
     ("OPTIM.ADAM_BETA1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("OPTIM.ADAM_BETA2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("OPTIM.ADAM_EPS", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
-    ("OPTIM.WARMUP_CONS_LR", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-    ("OPTIM.WARMUP_MIN_LR", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-    ("OPTIM.SAM.RHO", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
-    ("OPTIM.SAM.ALPHA", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    ("OPTIM.ADAM_EPS", lambda v: 0 < v <= _FP32_MAX, _POS),
+    ("OPTIM.WARMUP_CONS_LR", lambda v: 0 <= v <= _FP32_MAX, _NONNEG),
+    ("OPTIM.WARMUP_MIN_LR", lambda v: 0 <= v <= _FP32_MAX, _NONNEG),
+    ("OPTIM.SAM.RHO", lambda v: 0 <= v <= _FP32_MAX, _NONNEG),
+    ("OPTIM.SAM.ALPHA", lambda v: 0 <= v <= _FP32_MAX, _NONNEG),
     ("OPTIM.SAM.LAMBDA", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("OPTIM.SAM.START_EPOCH", lambda v: v >= 0, "an integer >= 0"),
     ("TRAIN.PRINT_FREQ", lambda v: v >= 1, "an integer >= 1 (batches between progress lines)"),
