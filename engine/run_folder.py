@@ -76,18 +76,41 @@ def _excluded(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_EXPERIMENT_KEYS)
 
 
+def _trainer_node(cfg) -> str | None:
+    from .registry import TRAINER_REGISTRY
+
+    try:
+        return TRAINER_REGISTRY.get(cfg.TRAINER.NAME).config_node()
+    except Exception:  # noqa: BLE001 - an unknown trainer fails later with its own message
+        return None
+
+
 def experiment_config(cfg, run: dict | None = None) -> dict:
     """The flat ``{key: value}`` that defines the experiment of ``cfg`` (plus ``RUN.*`` entries
-    for how the run uses the config, e.g. ``RUN.EVAL_ONLY``)."""
-    flat = {k: v for k, v in _flatten(cfg).items() if not _excluded(k)}
+    for how the run uses the config, e.g. ``RUN.EVAL_ONLY``).
+
+    Of ``TRAINER`` only ``NAME`` and the run's trainer node count (the other trainers' keys do
+    not change this run).
+    """
+    node = _trainer_node(cfg)
+    keep = ("TRAINER.NAME", f"TRAINER.{node}.") if node else ("TRAINER.NAME",)
+    flat = {
+        k: v
+        for k, v in _flatten(cfg).items()
+        if not _excluded(k) and (not k.startswith("TRAINER.") or k.startswith(keep))
+    }
     for k, v in (run or {}).items():
         flat[f"RUN.{k}"] = v
     return flat
 
 
 def _differences(old: dict, new: dict) -> list[str]:
+    """Keys with other values; keys on one side only (added or removed by a newer version of
+    this code, with their defaults) do not count, except the ``RUN.*`` entries."""
     diffs = []
     for key in sorted(set(old) | set(new)):
+        if (key not in old or key not in new) and not key.startswith("RUN."):
+            continue
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if a != b:
             diffs.append(f"{key}: {a!r} in the folder, {b!r} now")
@@ -148,8 +171,9 @@ class RunFolder:
 
     # -- orphans ---------------------------------------------------------------------------------
     def remove_orphans(self) -> None:
-        """Delete temporary files of atomic writes that crashed (we hold the lock)."""
-        removed = remove_orphan_tmp_files(self.path)
+        """Delete temporary files of atomic writes that crashed (we hold the lock) in the folder
+        and its sub-folders, except sub-folders that are run folders of their own."""
+        removed = remove_orphan_tmp_files(self.path, skip_marker=LOCK_NAME)
         if removed:
             logger.info("Removed %d unfinished temporary file(s) of a crashed run", len(removed))
 
@@ -171,6 +195,8 @@ class RunFolder:
         if old is None or old == flat:
             return
         diffs = _differences(old, flat)
+        if not diffs:
+            return
         if force:
             logger.warning(
                 "--force-resume: continuing %s with a changed experiment: %s",

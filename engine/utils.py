@@ -143,14 +143,17 @@ def atomic_torch_save(obj, path: str) -> None:
     _atomic_write(path, buffer.getbuffer(), "wb")
 
 
-def remove_orphan_tmp_files(folder: str) -> list[str]:
+def remove_orphan_tmp_files(folder: str, skip_marker: str = "") -> list[str]:
     """Delete the temporary files that crashed atomic writes left under ``folder``.
 
     Only call this while no other process writes there (the run holds the folder's lock).
+    Sub-folders holding a file named ``skip_marker`` (other runs' folders) are left alone.
     Returns the removed paths.
     """
     removed = []
-    for dirpath, _, filenames in os.walk(folder):
+    for dirpath, dirnames, filenames in os.walk(folder):
+        if skip_marker:
+            dirnames[:] = [d for d in dirnames if not osp.exists(osp.join(dirpath, d, skip_marker))]
         for name in filenames:
             if name.startswith(".") and name.endswith(TMP_SUFFIX) and name.count(".") >= 3:
                 path = osp.join(dirpath, name)

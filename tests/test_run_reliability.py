@@ -27,7 +27,7 @@ from conftest import ROOT, make_cfg, run_train
 from engine import build_trainer
 from engine.checkpoint import ROLLING_NAME, load_checkpoint, save_checkpoint
 from engine.errors import CheckpointError, ConfigError, OutputError
-from engine.run_folder import RunFolder
+from engine.run_folder import NOT_EXPERIMENT_KEYS, RunFolder, experiment_config
 from engine.validate import validate_cfg
 from engine.writers import ScalarWriter
 
@@ -203,6 +203,32 @@ def test_changed_config_is_refused_then_forced_or_started_over(interrupted, tmp_
     assert not osp.exists(osp.join(out, "prompt_learner"))
     assert "--overwrite" in _log(out)
     assert "--overwrite" in run_train(["--help"]).stdout
+
+
+def test_experiment_fingerprint_keys(tiny_clip_opts, tmp_path):
+    flat = experiment_config(make_cfg(tiny_clip_opts, trainer="CoOp"), {"EVAL_ONLY": False})
+    assert "TRAINER.COOP.N_CTX" in flat and "TRAINER.NAME" in flat and "OPTIM.LR" in flat
+    assert not any(k.startswith("TRAINER.COCOOP.") for k in flat)  # other trainers' keys
+    assert not set(flat) & set(NOT_EXPERIMENT_KEYS)  # paths, logging, workers, ...
+    folder = RunFolder(str(tmp_path))
+    folder.record_experiment(flat)
+    newer = {**flat, "OPTIM.A_NEW_KEY": 1}  # a key added by a newer version of the code
+    folder.check_experiment(newer)
+    with pytest.raises(OutputError, match=r"TRAINER.COOP.N_CTX: 16 in the folder, 8 now"):
+        folder.check_experiment({**flat, "TRAINER.COOP.N_CTX": 8})
+
+
+def test_orphans_of_nested_run_folders_are_left_alone(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "other_run" / "m").mkdir(parents=True)
+    (tmp_path / "other_run" / ".lock").write_text("")
+    ours = tmp_path / "m" / ".model.pth.tar-1.abc.tmp"
+    theirs = tmp_path / "other_run" / "m" / ".model.pth.tar-1.abc.tmp"
+    for p in (ours, theirs):
+        p.write_bytes(b"x")
+    with RunFolder(str(tmp_path)) as folder:
+        folder.remove_orphans()
+    assert not ours.exists() and theirs.exists()
 
 
 # -- 4: a run folder is owned by one process -------------------------------------------------------
