@@ -9,9 +9,10 @@ A trainer states two things (the step protocol):
 The engine runs (b) and hands the loss, with a function that re-runs (b), to the optimizer's
 step object (:class:`optim.step.OptimizerStep`, built from ``OPTIM``), which owns backward,
 precision scaling, sharpness-aware second passes and staging. So trainers contain no
-optimizer-specific code. The engine detects NaN/inf losses (raising with epoch, batch and loss
-terms), writes per-step diagnostics and steps the LR scheduler once per epoch (and, with
-``OPTIM.LR_STEP_PER_BATCH``, after every batch of the sharpness-aware stage too).
+optimizer-specific code. The engine detects NaN/inf losses and parameters (raising with epoch,
+batch and loss terms; the run folder is marked as diverged), writes per-step diagnostics and
+steps the LR scheduler once per epoch (and, with ``OPTIM.LR_STEP_PER_BATCH``, after every batch
+of the sharpness-aware stage too).
 
 The other concerns live next to this file: checkpoint I/O (:mod:`engine.checkpoint`), scalar
 writers (:mod:`engine.writers`), evaluation and the feature cache (:mod:`engine.evaluation`);
