@@ -156,6 +156,17 @@ def test_kill_resumes_from_the_rolling_checkpoint(interrupted):
     assert ck["epoch"] == 5 and ck["trainer"] == "CoOp"
 
 
+def test_resume_takes_the_newer_of_pointer_and_rolling_checkpoint(coop, tmp_path):
+    out = str(tmp_path)
+    coop.save_model(1, out)  # model.pth.tar-2, named in the pointer
+    coop.save_rolling_checkpoint(2, out)  # epoch 3
+    assert coop.resume_model_if_exist(out) == 3
+    assert open(osp.join(out, "prompt_learner", "checkpoint")).read() == "model.pth.tar-2\n"
+    coop.save_model(3, out)  # a numbered checkpoint of a later epoch drops the rolling one
+    assert not osp.exists(osp.join(out, "prompt_learner", ROLLING_NAME))
+    assert coop.resume_model_if_exist(out) == 4
+
+
 def test_orphan_tmp_files_are_removed_on_start(interrupted):
     assert not any(osp.exists(p) for p in interrupted["orphans"])
     leftovers = [
