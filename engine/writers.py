@@ -24,14 +24,29 @@ class ScalarWriter:
 
     def __init__(self):
         self._tb = None
+        self._tb_dir = ""  # where tensorboard's writer goes once there is something to write
         self._file = None
         self._pending: list[tuple[int, dict]] = []
         self._path = ""
 
+    def _tensorboard(self):
+        """tensorboard's SummaryWriter, imported and started at the first flush with scalars
+        (its import and its writer thread cost nothing in runs that write none)."""
+        if self._tb is None and self._tb_dir:
+            tb_dir, self._tb_dir = self._tb_dir, ""
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                logger.info("tensorboard is not installed: scalars go to scalars.jsonl only")
+            else:
+                self._tb = SummaryWriter(log_dir=tb_dir)
+        return self._tb
+
     def open(
         self, output_dir: str, tensorboard_dir: str, keep: Callable[[dict], bool] | None = None
     ) -> None:
-        """Open ``<output_dir>/scalars.jsonl`` (appending) and a tensorboard writer if installed.
+        """Open ``<output_dir>/scalars.jsonl`` (appending); a tensorboard writer (if installed)
+        starts at the first flush.
 
         Args:
             keep: for a resumed run, which existing rows to keep (``row -> bool``; a row is
@@ -43,12 +58,7 @@ class ScalarWriter:
         if keep is not None and self._file is None and osp.isfile(path):
             self._drop_rows(path, keep)
         if self._tb is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
-                logger.info("tensorboard is not installed: scalars go to scalars.jsonl only")
-            else:
-                self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            self._tb_dir = tensorboard_dir  # the writer starts with the first scalars written
         if self._file is None:
             try:
                 mkdir_if_missing(output_dir)
@@ -90,14 +100,15 @@ class ScalarWriter:
             if tensors
             else []
         )
+        tb = self._tensorboard()
         for step, d in self._pending:
             row = {
                 k: (next(numbers) if isinstance(v, torch.Tensor) else float(v))
                 for k, v in d.items()
             }
-            if self._tb is not None:
+            if tb is not None:
                 for k, v in row.items():
-                    self._tb.add_scalar(k, v, step)
+                    tb.add_scalar(k, v, step)
             if self._file is not None:
                 text = json.dumps({"step": step, **row}) + "\n"
                 try:
@@ -113,6 +124,7 @@ class ScalarWriter:
 
     def close(self) -> None:
         self.flush()
+        self._tb_dir = ""
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -8,7 +8,9 @@ resumed at an epoch boundary replays exactly the epochs an uninterrupted run wou
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 
 import torch
 from PIL import Image
@@ -24,6 +26,35 @@ from .transforms import build_transform
 from .validate import validate_data_cfg
 
 logger = logging.getLogger(__name__)
+
+# Loaders with persistent workers, stopped cleanly at exit (:func:`shutdown_loaders`).
+_PERSISTENT_LOADERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def shutdown_loader(loader) -> None:
+    """Stop the worker processes of ``loader`` now (persistent ones included): each worker gets
+    its stop message and is joined, the queues are closed without waiting on their feeder
+    threads. The loader stays usable: its next iteration starts new workers."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if loader is not None:
+        loader._iterator = None
+
+
+def shutdown_loaders() -> None:
+    """Stop the workers of every loader with persistent workers that is still alive.
+
+    Registered with ``atexit`` (after torch's own exit hook, so it runs first): at interpreter
+    exit torch skips the orderly shutdown and leaves the workers to multiprocessing's exit
+    handler, which terminates and joins them one by one; an orderly stop here is a message per
+    worker. Also called between the runs of one process (engine/runner.py).
+    """
+    for loader in list(_PERSISTENT_LOADERS):
+        shutdown_loader(loader)
+
+
+atexit.register(shutdown_loaders)
 
 
 def read_image(path: str) -> Image.Image:
@@ -167,7 +198,7 @@ def build_data_loader(
     seed = cfg.SEED if is_train else -1
     sampler = EpochSampler(len(data_source), shuffle=sampler_type == "RandomSampler", seed=seed)
     num_workers = cfg.DATALOADER.NUM_WORKERS
-    return DataLoader(
+    loader = DataLoader(
         wrapper,
         batch_size=batch_size,
         sampler=sampler,
@@ -176,6 +207,9 @@ def build_data_loader(
         pin_memory=torch.cuda.is_available() and cfg.USE_CUDA,
         persistent_workers=num_workers > 0 and is_train,
     )
+    if loader.persistent_workers:
+        _PERSISTENT_LOADERS.add(loader)
+    return loader
 
 
 class DataManager:
@@ -238,6 +272,11 @@ class DataManager:
         self.dataset = dataset
         if cfg.VERBOSE:
             self.show_dataset_summary()
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes (the persistent training workers included)."""
+        for loader in (self.train_loader_x, self.val_loader, self.test_loader):
+            shutdown_loader(loader)
 
     @property
     def num_classes(self) -> int:
