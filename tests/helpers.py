@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, make_cfg, run_train
 
 from engine import build_trainer
+from engine.registry import TRAINER_REGISTRY
 from engine.toy import DTD_CLASSES, TINY_OPTS, write_tiny_clip
 
 DEEP_CLIP = {
@@ -171,3 +172,23 @@ def write_descriptions(folder, classes=DTD_CLASSES, n=3, key="dtd") -> str:
     with open(path, "w") as f:
         json.dump(table, f)
     return str(folder)
+
+
+def tiny_options(trainer: str, tmp_path, depth: int) -> list[str]:
+    """KEY VALUE options that fit ``trainer`` to a tiny CLIP with ``depth`` prompted blocks,
+    derived from its config keys (so a newly registered trainer needs no test edits)."""
+    node_name = TRAINER_REGISTRY.get(trainer).config_node()
+    node = make_cfg([], trainer=trainer).TRAINER[node_name]
+    opts = []
+    for key in node:
+        full = f"TRAINER.{node_name}.{key}"
+        if "DEPTH" in key:  # deep prompts: the blocks the tiny towers have
+            opts += [full, str(depth)]
+        elif key == "INJECT_LAYER":
+            opts += [full, str(depth - 1)]
+        elif key == "DESCRIPTIONS_DIR":  # a teacher reading class descriptions, two views
+            folder = tmp_path / "descriptions"
+            folder.mkdir(exist_ok=True)
+            opts += [full, write_descriptions(folder)]
+            opts += ["DATALOADER.K_TRANSFORMS", "2", "INPUT.TRANSFORMS", "['randaugment']"]
+    return opts

@@ -90,18 +90,10 @@ TRAINABLE = [n for n in sorted(TRAINER_REGISTRY) if not n.startswith("Zeroshot")
 
 def _cfg(trainer: str, tiny_clip_opts, tmp_path):
     from conftest import make_cfg
+    from helpers import tiny_options
 
     opts = [*tiny_clip_opts, "OUTPUT_DIR", str(tmp_path / "out"), "DATASET.ROOT", "/nonexistent"]
-    if trainer in ("MaPLe", "CoPrompt"):
-        opts += [f"TRAINER.{trainer.upper()}.PROMPT_DEPTH", "1"]
-    if trainer == "CoPrompt":
-        opts += ["DATALOADER.K_TRANSFORMS", "2"]
-    if trainer == "TCP":
-        opts += ["TRAINER.TCP.INJECT_LAYER", "1"]
-    if trainer in ("IVLP", "PromptSRC"):  # the tiny CLIP has 2 blocks per tower
-        node = f"TRAINER.{trainer.upper()}"
-        opts += [f"{node}.PROMPT_DEPTH_TEXT", "2", f"{node}.PROMPT_DEPTH_VISION", "2"]
-    return make_cfg(opts, trainer=trainer)
+    return make_cfg(opts + tiny_options(trainer, tmp_path, depth=2), trainer=trainer)
 
 
 @pytest.mark.parametrize("trainer", sorted(TRAINER_REGISTRY))

@@ -11,37 +11,23 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import DEPTH, assert_one_step_updates, write_descriptions
+from helpers import DEPTH, assert_one_step_updates, tiny_options
 
 from engine import build_trainer
 from engine.registry import TRAINER_REGISTRY
 from optim import list_optimizers
 
 PRECISIONS = ("fp32", "fp16", "amp", "bf16")
-TRAINABLE = sorted(n for n in TRAINER_REGISTRY if not TRAINER_REGISTRY.get(n).EVAL_ONLY)
+# aliases (e.g. the SAMPLe authors' trainer names) train exactly what ALIAS_OF trains
+TRAINABLE = sorted(
+    n
+    for n, cls in ((n, TRAINER_REGISTRY.get(n)) for n in TRAINER_REGISTRY)
+    if not cls.EVAL_ONLY and not getattr(cls, "ALIAS_OF", "")
+)
 SHARPNESS = [s.name for s in list_optimizers("sharpness")]
 CASES = [(t, p, o) for t in TRAINABLE for p in PRECISIONS for o in ("", "sample")] + [
     (t, "fp32", o) for t in TRAINABLE for o in SHARPNESS if o != "sample"
 ]
-
-
-def tiny_options(trainer: str, tmp_path) -> list[str]:
-    """KEY VALUE options that fit ``trainer`` to the tiny 4-block CLIP, from its config keys."""
-    node_name = TRAINER_REGISTRY.get(trainer).config_node()
-    node = make_cfg([], trainer=trainer).TRAINER[node_name]
-    opts = []
-    for key in node:
-        full = f"TRAINER.{node_name}.{key}"
-        if "DEPTH" in key:  # deep prompts: the blocks the tiny towers have
-            opts += [full, str(DEPTH)]
-        elif key == "INJECT_LAYER":
-            opts += [full, "1"]
-        elif key == "DESCRIPTIONS_DIR":  # a teacher reading class descriptions, two views
-            folder = tmp_path / "descriptions"
-            folder.mkdir(exist_ok=True)
-            opts += [full, write_descriptions(folder)]
-            opts += ["DATALOADER.K_TRANSFORMS", "2", "INPUT.TRANSFORMS", "['randaugment']"]
-    return opts
 
 
 @pytest.mark.parametrize(
@@ -50,7 +36,7 @@ def tiny_options(trainer: str, tmp_path) -> list[str]:
 def test_trainer_optimizer_precision(trainer, prec, sam, tmp_path, dtd_root, deep_opts):
     node = TRAINER_REGISTRY.get(trainer).config_node()
     opts = ["--root", dtd_root, "--seed", "1", "--output-dir", str(tmp_path / "out"), *deep_opts]
-    opts += tiny_options(trainer, tmp_path)
+    opts += tiny_options(trainer, tmp_path, DEPTH)
     opts += [f"TRAINER.{node}.PREC", prec, "OPTIM.SAM.NAME", sam, "OPTIM.SAM.RHO", "0.5"]
     opts += ["OPTIM.SAM.START_EPOCH", "0", "OPTIM.MAX_EPOCH", "1", "DATASET.NUM_SHOTS", "2"]
     tr = build_trainer(make_cfg(opts, trainer=trainer))
