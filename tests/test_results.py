@@ -280,3 +280,17 @@ def test_make_tables_cli_saves_all_formats(tmp_path, capsys):
         f"tables.{e}" for e in ("csv", "md", "tex", "txt")
     ]
     assert make_tables.main(["--output", str(tmp_path / "empty")]) == 1
+
+
+def test_one_dataset_has_no_average_and_no_ablation(tmp_path):
+    # one --datasets value: the per-dataset panel only (the ablation reads the average panel)
+    out = str(tmp_path / "output")
+    setup = Setup(output=out)
+    for optim in ("sgd", "sam", "sagm", "sample"):
+        fake_base2new(setup, "CoPrompt", optim, "dtd", (1,))
+    argv = ["--output", out, "--seeds", "1", "--datasets", "dtd"]
+    tables = make_tables.build_tables(make_tables.build_parser().parse_args(argv))
+    titles = [t.title for t in tables]
+    assert "Base-to-new: DTD" in titles and not any("ablation" in t.name for t in tables)
+    empty = make_tables.build_parser().parse_args([*argv, "--show-empty", "--trainers", "CoOp"])
+    make_tables.build_tables(empty)  # no runs of the grid's rows: no crash

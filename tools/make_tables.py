@@ -752,7 +752,7 @@ def build(args) -> Results:
         panels = base2new_tables(stats, b2n_rows, datasets, args.avg_hm)
         add_base2new_diffs(panels, stats, pairs, datasets, args.avg_hm, delta)
         tables += panels if "base2new" in wanted else []
-        if "ablation" in wanted:
+        if "ablation" in wanted and len(datasets) > 1 and panels:  # panels[0]: the average
             ablation = ablation_table(panels[0], tuple(datasets) == BASE2NEW_DATASETS)
             tables += [ablation] if ablation else []
     for table in ("cross_dataset", "domain_gen"):
