@@ -9,6 +9,12 @@ A grid is trainers x optimizers x datasets x seeds x protocols (``base2new``,
   output in ``<run dir>/console.txt``, a progress line per run;
 - ``--slurm``: one SLURM job per chain through submitit (optional: ``pip install submitit``).
 
+``--per-gpu N`` packs N workers onto each GPU (after a free-memory check, ``--worker-mem-gb``);
+``--workers N`` runs N workers without GPUs. ``--in-process``: each worker is one long-lived
+process that runs its chains' runs in-process (``engine/runner.py``: imports and the CLIP
+checkpoint read paid once; folders, logs and numbers as with one train.py process per run);
+without it every run is its own train.py process.
+
 Finished runs (a result line in their log) are skipped; a run folder without a result is
 re-run into the same folder, where train.py resumes from the last checkpoint. Before anything
 starts, the data (``tools/check_data.py``), the merged configs and the CLIP weights are
@@ -262,13 +268,21 @@ class Progress:
 
 
 # -- execution --------------------------------------------------------------------------------
-def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool) -> int:
-    if stream:
+def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool, worker=None) -> int:
+    """Run ``cmd`` (a train.py command) as a process, or in ``worker`` (engine.runner.Worker:
+    ``train.py``'s arguments run in that process); output in ``console.txt`` unless ``stream``.
+    """
+    console = None
+    if not stream:
+        os.makedirs(out_dir, exist_ok=True)
+        console = osp.join(out_dir, "console.txt")
+        with open(console, "a") as f:
+            f.write(f"\n$ {shlex.join(cmd)}\n")
+    if worker is not None:
+        return worker.run(cmd[2:], console)  # cmd: [python, train.py, args...]
+    if console is None:
         return subprocess.run(cmd, env=env).returncode
-    os.makedirs(out_dir, exist_ok=True)
-    with open(osp.join(out_dir, "console.txt"), "a") as f:
-        f.write(f"\n$ {shlex.join(cmd)}\n")
-        f.flush()
+    with open(console, "a") as f:
         return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
 
 
@@ -279,8 +293,10 @@ def execute_chain(
     env: dict | None = None,
     stream: bool = True,
     where: str = "",
+    worker=None,
 ) -> None:
-    """Run the unfinished runs of ``chain`` in order (evaluations need a finished training)."""
+    """Run the unfinished runs of ``chain`` in order (evaluations need a finished training);
+    ``worker``: an in-process worker (engine.runner.Worker) that runs them, else processes."""
     for run in chain.runs:
         status = run_status(run)
         if status == "done":
@@ -297,7 +313,7 @@ def execute_chain(
             progress.done(run, f"{run.label}: not run: {e}", 0)
             continue
         progress.start(run, cmd, status, where)
-        rc = _execute(cmd, run.out_dir, env, stream)
+        rc = _execute(cmd, run.out_dir, env, stream, worker)
         problem = None
         if rc != 0:
             hint = "" if stream else f"; see {osp.join(run.out_dir, 'console.txt')}"
@@ -321,28 +337,79 @@ def detect_gpus(spec: str | None) -> list[str] | None:
     return [str(i) for i in range(torch.cuda.device_count())] or None
 
 
-def run_local(chains: list[Chain], setup: Setup, gpus: list[str] | None, stream: bool) -> list:
-    """Execute chains with one worker per GPU (or one worker); returns the failures."""
+def check_gpu_memory(gpus: list[str], per_gpu: int, worker_mem_gb: float) -> None:
+    """Refuse ``--per-gpu N`` when a GPU has less free memory than N workers need (read with
+    nvidia-smi; skipped when it is not available)."""
+    if per_gpu <= 1 or worker_mem_gb <= 0:
+        return
+    query = ["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        print("--per-gpu: nvidia-smi is not available, free GPU memory not checked")
+        return
+    free = {}
+    for line in out.splitlines():
+        idx, _, mib = line.partition(",")
+        if mib.strip().isdigit():
+            free[idx.strip()] = int(mib) / 1024
+    need = per_gpu * worker_mem_gb
+    short = [f"gpu {g}: {free[g]:.1f} GB free" for g in gpus if g in free and free[g] < need]
+    if short:
+        raise GridError(
+            f"--per-gpu {per_gpu} needs {need:.1f} GB per GPU ({worker_mem_gb:g} GB per worker, "
+            f"--worker-mem-gb): {'; '.join(short)}. Use fewer workers per GPU or free the GPUs"
+        )
+
+
+def run_local(
+    chains: list[Chain],
+    setup: Setup,
+    gpus: list[str] | None,
+    stream: bool,
+    per_gpu: int = 1,
+    in_process: bool = False,
+    workers: int = 1,
+) -> list:
+    """Execute chains with ``per_gpu`` workers per GPU (without GPUs: ``workers`` workers);
+    returns the failures.
+
+    A worker takes the next chain when it finishes one. ``in_process``: each worker is one
+    long-lived process running its runs in-process (engine/runner.py); else every run is a
+    train.py process.
+    """
     total = sum(run_status(r) != "done" for c in chains for r in c.runs)
     progress = Progress(total)
     queue: Queue = Queue()
     for chain in chains:
         queue.put(chain)
 
-    def worker(gpu: str | None) -> None:
+    def worker(gpu: str | None, slot: int) -> None:
         env = None if gpu is None else dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
         where = "" if gpu is None else f" gpu {gpu}"
-        while True:
-            try:
-                chain = queue.get_nowait()
-            except Empty:
-                return
-            execute_chain(chain, setup, progress, env, stream, where)
+        where += f" worker {slot}" if max(per_gpu, workers) > 1 else ""
+        runner = None
+        if in_process:
+            from engine.runner import Worker
 
-    if not gpus:
-        worker(None)
+            runner = Worker(env, python=setup.python)
+        try:
+            while True:
+                try:
+                    chain = queue.get_nowait()
+                except Empty:
+                    return
+                execute_chain(chain, setup, progress, env, stream, where, runner)
+        finally:
+            if runner is not None:
+                runner.close()
+
+    slots = [(g, k) for g in gpus for k in range(per_gpu)] if gpus else []
+    slots = slots or [(None, k) for k in range(max(workers, 1))]
+    if len(slots) == 1:
+        worker(*slots[0])
     else:
-        threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in gpus]
+        threads = [threading.Thread(target=worker, args=s, daemon=True) for s in slots]
         for t in threads:
             t.start()
         for t in threads:
@@ -554,6 +621,22 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("execution")
     run.add_argument("--gpus", help="one worker per GPU: ids (0,1,2,3) or auto")
     run.add_argument("--quiet", action="store_true", help="train.py output to console.txt")
+    run.add_argument(
+        "--in-process",
+        action="store_true",
+        help="each worker runs its runs in one long-lived process (imports and the CLIP "
+        "checkpoint read paid once; same folders, logs and numbers)",
+    )
+    run.add_argument(
+        "--per-gpu", type=int, default=1, help="workers per GPU (with --gpus; memory checked)"
+    )
+    run.add_argument("--workers", type=int, default=1, help="workers without --gpus (CPU)")
+    run.add_argument(
+        "--worker-mem-gb",
+        type=float,
+        default=4.0,
+        help="GPU memory a worker needs, for the --per-gpu check (0: no check)",
+    )
     slurm = parser.add_argument_group("SLURM (submitit)")
     slurm.add_argument("--slurm", action="store_true", help="submit one job per chain")
     slurm.add_argument("--slurm-partition", default="", help="partition")
@@ -586,8 +669,13 @@ def main(argv: list[str] | None = None) -> int:
             submit_slurm(todo, setup, args)
             return 0
         gpus = detect_gpus(args.gpus)
-        stream = not args.quiet and not (gpus and len(gpus) > 1)
-        failed = run_local(todo, setup, gpus, stream)
+        if args.per_gpu < 1 or args.workers < 1:
+            raise GridError("--per-gpu and --workers must be at least 1")
+        if gpus:
+            check_gpu_memory(gpus, args.per_gpu, args.worker_mem_gb)
+        slots = len(gpus) * args.per_gpu if gpus else args.workers
+        stream = not args.quiet and slots == 1
+        failed = run_local(todo, setup, gpus, stream, args.per_gpu, args.in_process, args.workers)
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
