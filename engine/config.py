@@ -212,8 +212,13 @@ _C.TRAINER.NAME = ""  # registered trainer name (set by --trainer)
 
 
 def get_base_cfg_default() -> CN:
-    """Dassl's defaults plus this project's engine keys, without any trainer's node."""
-    return _C.clone()
+    """Dassl's defaults plus this project's engine keys (and the OPTIM.SAM keys registered
+    optimizers declare), without any trainer's node."""
+    from optim import add_optimizer_keys
+
+    cfg = _C.clone()
+    add_optimizer_keys(cfg)
+    return cfg
 
 
 def get_cfg_default() -> CN:
@@ -223,12 +228,9 @@ def get_cfg_default() -> CN:
     that any trainer config file merges into it. Trainers register when their package is imported
     (``import trainers``; train.py and the tools do it); the engine never imports them itself.
     """
-    from optim import add_optimizer_keys
-
     from .registry import TRAINER_REGISTRY
 
     cfg = get_base_cfg_default()
-    add_optimizer_keys(cfg)  # OPTIM.SAM keys of registered optimizers the defaults lack
     for name in TRAINER_REGISTRY:
         TRAINER_REGISTRY.get(name).add_config(cfg)
     return cfg

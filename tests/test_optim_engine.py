@@ -14,7 +14,6 @@ from conftest import ROOT, make_cfg, run_train
 from torch import nn
 
 from engine import build_trainer
-from engine.registry import TRAINER_REGISTRY
 from engine.trainer import TrainerX
 from optim import OPTIMIZER_REGISTRY, build_lr_scheduler, build_optimizer
 
@@ -92,8 +91,7 @@ class Learner(nn.Module):
         self.proj = nn.Linear(3, n_cls)
 
 
-@TRAINER_REGISTRY.register(force=True)
-class ToyStaged(TrainerX):
+class ToyStaged(TrainerX):  # built directly, not registered: the registry drives other tests
     """logits = proj(mean colour) + prompt; counts prepare/loss calls per step."""
 
     def build_model(self):
@@ -119,7 +117,7 @@ class ToyStaged(TrainerX):
         return self.model.proj(image.mean(dim=(2, 3))) + self.model.prompt
 
 
-def _toy(tmp_path, dtd_root, *opts, name="ToyStaged"):
+def _toy(tmp_path, dtd_root, *opts):
     cfg = make_cfg(
         [
             "--root",
@@ -144,9 +142,9 @@ def _toy(tmp_path, dtd_root, *opts, name="ToyStaged"):
             "1",
             *opts,
         ],
-        trainer=name,
+        trainer="ToyStaged",
     )
-    return build_trainer(cfg)
+    return ToyStaged(cfg)
 
 
 def test_staged_training_switch_and_freeze(tmp_path, dtd_root, caplog):

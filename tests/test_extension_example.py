@@ -1,0 +1,63 @@
+"""A new optimizer and a new trainer are picked up by the shared tests without editing them.
+
+``tests/examples/example_plugin.py`` registers ``shrinksam`` (a new sharpness-aware optimizer
+with a new OPTIM.SAM key) and ``LabelSmoothCoOp`` (a new trainer with its own config node). The
+shared suites run in a subprocess with the plugin loaded; their cases for the two new entries
+must exist and pass. The float64 fidelity suite asks for a hand computation of the new
+optimizer's equations (the one thing written by hand).
+"""
+
+from __future__ import annotations
+
+import os
+import os.path as osp
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_new_optimizer_and_trainer_run_through_the_shared_suites():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, osp.join(ROOT, "tests", "examples")]))
+    suites = ["tests/test_optim.py", "tests/test_trainer_matrix.py", "tests/test_architecture.py"]
+    suites += ["tests/test_optim_engine.py::test_registry_metadata"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "example_plugin", *suites]
+    select = "(shrinksam or LabelSmoothCoOp or registry_metadata) and not hand"
+    cmd += ["-k", select, "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    passed = int(re.search(r"(\d+) passed", out).group(1))
+    assert passed >= 25, out[-2000:]  # optimizer math cases + trainer matrix + architecture
+    listing = subprocess.run(
+        [*cmd[:4], "-p", "example_plugin", *suites, "--collect-only", "-k", select],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    ).stdout  # fmt: skip
+    for case in (
+        "shrinksam-paper",
+        "LabelSmoothCoOp-fp16-sample",
+        "LabelSmoothCoOp-fp32-shrinksam",
+    ):
+        assert case in listing, case
+    assert (
+        "test_every_trainer_builds_from_class_names_and_reports_its_outputs[LabelSmoothCoOp]"
+        in (listing)
+    )
+
+
+def test_the_new_key_comes_from_the_registry_entry():
+    code = (
+        "import example_plugin, trainers, datasets\n"
+        "from engine.config import get_cfg_default\n"
+        "cfg = get_cfg_default()\n"
+        "print(cfg.OPTIM.SAM.SHRINK, cfg.TRAINER.LABELSMOOTHCOOP.SMOOTHING)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, osp.join(ROOT, "tests", "examples")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["0.5", "0.1"]
