@@ -44,6 +44,8 @@ from .sharpness import (
     ema_update,
     global_dot,
     global_norm,
+    per_group,
+    scaled,
 )
 
 
@@ -93,7 +95,7 @@ class FSAM(SharpnessAwareOptimizer):
         fp.stats["ema_norm"] = global_norm(new)
         fp.stats["xi"] = cosine(global_dot(g, used), g_norm, global_norm(used))
         fp.stats["gb_norm"] = d_norm
-        return [di * (group["rho"] * scale / denom) for group, di in zip(fp.groups, d)]
+        return scaled(d, per_group(fp.groups, lambda gr: gr["rho"] * scale / denom))
 
 
 register_optimizer(

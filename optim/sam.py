@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .build import register_optimizer
-from .sharpness import EPS, SharpnessAwareOptimizer, acc_dtype, global_norm
+from .sharpness import EPS, SharpnessAwareOptimizer, acc_dtype, global_norm, per_group, scaled
 
 
 class SAM(SharpnessAwareOptimizer):
@@ -65,10 +65,8 @@ class SAM(SharpnessAwareOptimizer):
         if any(w is not None for w in weights):
             g_norm = global_norm(gi if w is None else w * gi for gi, w in zip(g, weights))
         denom = g_norm + EPS
-        return [
-            (gi if w is None else w * w * gi) * (group["rho"] * scale / denom)
-            for group, gi, w in zip(fp.groups, g, weights)
-        ]
+        vectors = [gi if w is None else w * w * gi for gi, w in zip(g, weights)]
+        return scaled(vectors, per_group(fp.groups, lambda gr: gr["rho"] * scale / denom))
 
 
 register_optimizer(

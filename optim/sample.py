@@ -90,7 +90,9 @@ from .sharpness import (
     ema_update,
     global_dot,
     global_norm,
+    per_group,
     sagm_perturbation,
+    scaled,
     stack_norm,
     tensor_norm,
 )
@@ -151,10 +153,7 @@ class SAMPLe(SharpnessAwareOptimizer):
             return self._cocoop_perturbation(fp, g, g_norm, scale)
         if self.variant == "reference":
             return self._reference_perturbation(fp, g, g_norm, scale)
-        fp.ema = []
-        for group, p, gi in zip(fp.groups, fp.params, g):
-            m = self._ema(p)
-            fp.ema.append(gi * (1 - group["lam"]) if m is None else ema_update(m, gi, group["lam"]))
+        fp.ema = self._paper_ema(fp, g)
         m_norm = global_norm(fp.ema)
         xi = cosine(global_dot(fp.ema, g), g_norm, m_norm)
         fp.stats.update(ema_norm=m_norm, xi=xi)
@@ -163,10 +162,27 @@ class SAMPLe(SharpnessAwareOptimizer):
             fp.stats["gb_norm"] = g_norm
             return e
         coef = xi * (g_norm / m_norm.clamp_min(TINY))  # xi * sigma: g_B = g - coef * m
-        fp.stats["gb_norm"] = global_norm(gi - coef * m for gi, m in zip(g, fp.ema))
-        for group, ei, m in zip(fp.groups, e, fp.ema):  # e = rho g/||g|| - alpha (g - coef m)
-            ei.add_(m * (coef * (group["alpha"] * scale)))
+        fp.stats["gb_norm"] = global_norm(torch._foreach_sub(g, torch._foreach_mul(fp.ema, coef)))
+        # e = rho g/||g|| - alpha (g - coef m): add m * (coef * alpha) to SAGM's e
+        torch._foreach_add_(
+            e, scaled(fp.ema, per_group(fp.groups, lambda gr: coef * (gr["alpha"] * scale)))
+        )
         return e
+
+    def _paper_ema(self, fp, g) -> list[Tensor]:
+        """``m_t = lam * m_{t-1} + (1 - lam) * g`` (``(1 - lam) * g`` at a tensor's first
+        step); fused over the tensors when they all have an average and share one group."""
+        old = [self._ema(p) for p in fp.params]
+        groups = fp.groups
+        if all(m is not None for m in old) and all(gr is groups[0] for gr in groups):
+            lam = groups[0]["lam"]
+            new = list(torch._foreach_mul(old, lam))
+            torch._foreach_add_(new, torch._foreach_mul(g, 1 - lam))  # ema_update, fused
+            return new
+        return [
+            gi * (1 - gr["lam"]) if m is None else ema_update(m, gi, gr["lam"])
+            for gr, gi, m in zip(groups, g, old)
+        ]
 
     def _reference_perturbation(self, fp, g, g_norm, scale):
         """The released code's loop: update m_k in place, then use the norm of the averages as

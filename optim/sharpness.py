@@ -39,9 +39,14 @@ reference code's order of operations is known it is followed (``rho / (||g|| + e
 the product with ``g``, ``lam * m + (1 - lam) * g`` as two products, the mean as
 ``g_p + (0.5 * g - 0.5 * g_p)``), so a reference variant with fp32 parameters rounds as the
 released code does (tests/test_optim_fidelity.py); the one difference left is the restore from
-copies. With fp16/bf16 parameters the released code computes in the parameter dtype, this code
-in fp32 (the difference is rounding only). A zero gradient gives a zero
-perturbation, never NaN (eps guards, no Python branch on tensor values: the step makes no
+copies. Element-wise work over the parameters is fused with ``torch._foreach_*`` where it
+computes the same values (the copies, ``theta + e``, the restore, the sum/mean update, and one
+group's scaling by ``rho / ||g||`` and the like), so a step is a few kernel launches on a GPU;
+reductions (norms, dot products) stay per tensor in their reference order and the reference
+variants' per-tensor loops (mixed norms, first-step rule) are kept: the results are those of
+per-tensor loops, bit for bit. With fp16/bf16 parameters the released code computes in the
+parameter dtype, this code in fp32 (the difference is rounding only). A zero gradient gives a
+zero perturbation, never NaN (eps guards, no Python branch on tensor values: the step makes no
 host-device synchronisation). ``||.||`` is the global L2 norm over every parameter of every
 param group that has a gradient this step; parameters without one are neither perturbed, nor
 restored, nor updated. All parameters are assumed to live on one device.
@@ -106,6 +111,30 @@ def global_dot(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     return torch.stack(dots).sum()
 
 
+def copies(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` (same dtype and strides), made by one fused copy on a GPU."""
+    out = [torch.empty_like(t) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, list(tensors))
+    return out
+
+
+def per_group(groups: Sequence[dict], fn: Callable[[dict], Any]) -> list[Any]:
+    """``[fn(group) for group in groups]`` with ``fn`` evaluated once per distinct group (the
+    same object for every parameter of a group, so :func:`scaled` can fuse)."""
+    seen: dict[int, Any] = {}
+    return [seen[id(gr)] if id(gr) in seen else seen.setdefault(id(gr), fn(gr)) for gr in groups]
+
+
+def scaled(tensors: Sequence[Tensor], factors: Sequence[Any]) -> list[Tensor]:
+    """``[t * f for t, f in zip(tensors, factors)]`` as one fused multiply when every factor
+    is the same object (one param group, the usual case): the same products, fewer launches."""
+    tensors = list(tensors)
+    if tensors and all(f is factors[0] for f in factors):
+        return list(torch._foreach_mul(tensors, factors[0]))
+    return [t * f for t, f in zip(tensors, factors)]
+
+
 def ema_update(m: Tensor, g: Tensor, lam: float) -> Tensor:
     """``lam * m + (1 - lam) * g`` as a new tensor (two products, as the reference codes)."""
     return m.mul(lam).add_(g * (1 - lam))
@@ -125,7 +154,7 @@ def sagm_perturbation(
     exploration term is SAGM to the bit.
     """
     denom = g_norm + EPS
-    return [gi * (gr["rho"] * scale / denom - gr["alpha"] * scale) for gr, gi in zip(groups, g)]
+    return scaled(g, per_group(groups, lambda gr: gr["rho"] * scale / denom - gr["alpha"] * scale))
 
 
 def check_hparams(group: dict) -> None:
@@ -288,16 +317,15 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             t=self.num_steps + 1,
             groups=groups,
             params=params,
-            backup=[p.detach().clone() for p in params],
-            grads=[p.grad.detach().clone() for p in params],
+            backup=copies([p.detach() for p in params]),
+            grads=copies([p.grad.detach() for p in params]),
         )
         if params:
             g = [gi.to(acc_dtype(gi)) for gi in fp.grads]
             g_norm = global_norm(g)
             fp.stats["grad_norm"] = g_norm
             e = self._perturbation(fp, g, g_norm, self._scale(fp.t))
-            for p, ei in zip(params, e):
-                p.add_(ei)
+            torch._foreach_add_(params, list(e))  # p.add_(e) per tensor, fused
         self._pending = fp
         if zero_grad:
             self.zero_grad()
@@ -321,8 +349,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if id(p) not in stepped:
                     p.grad = None
-        for p, saved in zip(fp.params, fp.backup):
-            p.copy_(saved)
+        if fp.params:
+            torch._foreach_copy_(fp.params, fp.backup)
+        for p in fp.params:
             if p.grad is None:  # no gradient in the second pass: g_p = 0
                 p.grad = torch.zeros_like(p)
         stats = dict(fp.stats)
@@ -334,11 +363,12 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             if fp.ema is not None:
                 m_norm = stats["ema_norm"]
                 stats["cos_gp_m"] = cosine(global_dot(g_p, fp.ema), gp_norm, m_norm)
-            for gpi, gi in zip(g_p, fp.grads):
-                if self.update_rule == "sum":
-                    gpi.add_(gi)
-                elif self.update_rule == "mean":  # g_p + (0.5 g - 0.5 g_p), as the references
-                    gpi.add_(gi.mul(0.5).sub_(gpi, alpha=0.5))
+            if self.update_rule == "sum":
+                torch._foreach_add_(g_p, fp.grads)
+            elif self.update_rule == "mean":  # g_p + (0.5 g - 0.5 g_p), as the references
+                half = torch._foreach_mul(fp.grads, 0.5)
+                torch._foreach_sub_(half, g_p, alpha=0.5)
+                torch._foreach_add_(g_p, half)
         if fp.ema is not None:
             for p, m in zip(fp.params, fp.ema):
                 self.state[p]["ema"] = m
@@ -360,8 +390,8 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         if fp is None:
             return
         self._pending = None
-        for p, saved in zip(fp.params, fp.backup):
-            p.copy_(saved)
+        if fp.params:
+            torch._foreach_copy_(fp.params, fp.backup)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
