@@ -17,8 +17,6 @@ from conftest import ROOT
 
 from tools import grid
 
-pytestmark = pytest.mark.slow  # about a minute: a dozen tiny train.py runs
-
 OPTIMS = ("sgd", "sample")
 # files whose content names the run's time, host or process (compared separately or not at all)
 VOLATILE = ("console.txt", ".lock", "events.out.tfevents")
@@ -99,6 +97,7 @@ def separate(tmp_path_factory, tiny_clip_opts):
     return str(base / "data"), out
 
 
+@pytest.mark.slow  # with the fixture: a dozen tiny runs, about a minute on 2 cores
 def test_packed_workers_give_the_folders_and_numbers_of_separate_processes(
     separate, tmp_path, tiny_clip_opts
 ):
@@ -113,6 +112,7 @@ def test_packed_workers_give_the_folders_and_numbers_of_separate_processes(
                 assert f.read().count("** Arguments **") == 1
 
 
+@pytest.mark.slow
 def test_a_packed_chain_resumes_after_its_worker_is_killed(separate, tmp_path, tiny_clip_opts):
     data, reference = separate
     out = str(tmp_path / "killed")
@@ -137,3 +137,16 @@ def test_a_packed_chain_resumes_after_its_worker_is_killed(separate, tmp_path, t
     assert grid.main(argv) == 0  # the re-run resumes the partial chain
     assert "Previous epoch: 1" in last_log(train_dir)  # resumed from the killed run's epoch
     assert_same_runs(reference, out, resumed=True)
+
+
+def test_paper_grid_estimate_counts_every_run():
+    from tools.benchmark import grid_hours, grid_training_steps
+
+    runs = grid_training_steps()
+    assert len(runs) == 2100  # tools/grid.py --preset paper
+    trainings = [r for r in runs if r[0] == "train"]
+    assert all(steps > 0 for _, _, steps in trainings)
+    assert all(steps == 0 for stage, _, steps in runs if stage == "eval")
+    assert grid_hours(runs, 20.0, 0.0, 1.6) == pytest.approx(2100 * 20 / 3600)
+    two = [("train", "sgd", 1000), ("train", "sample", 1000), ("eval", "sample", 0)]
+    assert grid_hours(two, 0.0, 36.0, 1.5) == pytest.approx((36 + 54) / 3600)
