@@ -8,6 +8,11 @@ graphs). The option is off by default: compilation takes seconds to minutes per 
 results differ by rounding (max |difference| 8e-3 in fp16 features), and full training runs
 with it were not timed here.
 
+With the option off this module imports nothing of ``torch._dynamo`` (``torch.compile`` and the
+CUDA-graph step marker are reached only when it is on); torchvision 0.29 imports
+``torch._dynamo`` by itself at its own import (``torchvision.ops.roi_align``: ~2 s of a CPU
+run's start-up), which no option here avoids.
+
 Values: "" (off), a ``torch.compile`` mode ("default", "reduce-overhead", "max-autotune",
 "max-autotune-no-cudagraphs"), or a backend for debugging ("eager", "aot_eager").
 """
@@ -15,6 +20,7 @@ Values: "" (off), a ``torch.compile`` mode ("default", "reduce-overhead", "max-a
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -67,6 +73,9 @@ def _cloning(fn):
 
 
 def mark_step() -> None:
-    """Start a new CUDA-graph step (needed by mode reduce-overhead between iterations)."""
+    """Start a new CUDA-graph step (needed by mode reduce-overhead between iterations); a no-op
+    when nothing was compiled in this process (torch._dynamo never imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return
     if hasattr(torch, "compiler") and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
         torch.compiler.cudagraph_mark_step_begin()

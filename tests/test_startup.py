@@ -68,6 +68,49 @@ def test_a_timm_vision_tower_still_builds(tmp_path):
     assert out.split() == ["TimmModel", "True"]
 
 
+def test_compile_off_imports_no_dynamo(tmp_path):
+    path = osp.join(ROOT, "engine", "compile.py")
+    out = run_python(
+        f"""
+        import importlib.util, sys
+        import torch
+        spec = importlib.util.spec_from_file_location("c", {path!r})
+        compile_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(compile_module)  # alone: torchvision imports torch._dynamo
+        assert compile_module.compile_encoders(torch.nn.Linear(2, 2), "") == []
+        compile_module.mark_step()
+        print("torch._dynamo" in sys.modules)
+        """,
+        tmp_path,
+    )
+    assert out.strip() == "False"
+
+
+def test_clip_checkpoint_cache_gives_the_same_model(tiny_clip, monkeypatch):
+    import torch
+
+    from engine.clip import model as clip_model
+    from engine.config import get_cfg_default
+
+    cfg = get_cfg_default()
+    cfg.MODEL.BACKBONE.NAME, cfg.MODEL.BACKBONE.CONFIG = "", tiny_clip[0]
+    cfg.MODEL.BACKBONE.PATH = tiny_clip[1]
+    reads = []
+    real = clip_model.read_state_dict
+    monkeypatch.setattr(clip_model, "read_state_dict", lambda p: reads.append(p) or real(p))
+    torch.manual_seed(0)
+    plain = clip_model.load_clip(cfg, "fp16").state_dict()
+    clip_model.cache_weights(True)
+    try:
+        for _ in range(2):
+            torch.manual_seed(0)
+            cached = clip_model.load_clip(cfg, "fp16").state_dict()
+            assert all(torch.equal(plain[k], cached[k]) for k in plain)
+    finally:
+        clip_model.cache_weights(False)
+    assert len(reads) == 2  # once without the cache, once for both cached loads
+
+
 def test_tensorboard_writer_starts_with_the_first_scalars(tmp_path):
     from engine.writers import ScalarWriter
 
