@@ -1,5 +1,6 @@
-"""Several train.py runs in one process: a long-lived worker that ``tools/grid.py --in-process``
-feeds with runs, and the exit path of a process that ran them.
+"""Several train.py runs in one process: the loop of a long-lived worker that
+``tools/grid.py --in-process`` feeds with runs (started and driven by ``tools/worker.py``), and
+the exit path of a process that ran them.
 
 A run costs seconds of fixed work before its first step and after its last one: importing
 torch, torchvision and open_clip, reading the CLIP checkpoint, starting loader workers, and
@@ -13,19 +14,18 @@ handlers and stops the run's loader workers.
 Protocol (one JSON object per line): the parent writes ``{"argv": [...], "console": path}`` to
 the worker's stdin; the worker runs ``train.py argv`` with its stdout and stderr appended to
 ``console`` (or inherited when ``console`` is null) and answers ``{"rc": code}`` on the file
-descriptor given by ``--reply-fd``. A worker that dies (killed, out of memory) leaves its run
-folder partial; the next grid invocation resumes it like any interrupted run.
+descriptor it was given (``python -m tools.worker --reply-fd N``). A worker that dies (killed,
+out of memory) leaves its run folder partial; the next grid invocation resumes it like any
+interrupted run.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
 import logging
 import os
-import subprocess
 import sys
 import traceback
 
@@ -66,15 +66,6 @@ def run_in_process(argv: list[str]) -> int:
         close_run_logging()
         gc.collect()  # the run's trainer, model and loaders (reference cycles included)
         shutdown_loaders()
-
-
-def prepare_worker() -> None:
-    """Import what train.py imports (registries) and keep CLIP checkpoints in memory."""
-    import datasets  # noqa: F401  (registers the dataset readers)
-    import trainers  # noqa: F401  (registers the trainers)
-    from engine.clip.model import cache_weights
-
-    cache_weights(True)
 
 
 @contextlib.contextmanager
@@ -121,8 +112,14 @@ def finish_process(code: int = 0) -> int:
 
 
 def serve(reply_fd: int) -> int:
-    """The worker loop: one run per request line on stdin, one answer line on ``reply_fd``."""
-    prepare_worker()
+    """The worker loop: one run per request line on stdin, one answer line on ``reply_fd``.
+
+    The trainers and datasets must be registered first (``tools/worker.py`` does it, as
+    ``train.py`` does); CLIP checkpoints read are kept in memory for the following runs.
+    """
+    from engine.clip.model import cache_weights
+
+    cache_weights(True)
     with os.fdopen(reply_fd, "w", buffering=1) as replies:
         for line in sys.stdin:
             if not line.strip():
@@ -131,76 +128,4 @@ def serve(reply_fd: int) -> int:
             with output_to(request.get("console")):
                 rc = run_in_process(list(request["argv"]))
             replies.write(json.dumps({"rc": rc}) + "\n")
-    return finish_process(0)
-
-
-class Worker:
-    """A worker process seen from the parent: :meth:`run` sends one run and waits for it.
-
-    Args:
-        env: the worker's environment (e.g. ``CUDA_VISIBLE_DEVICES``); None: this one's.
-        python: the interpreter.
-    """
-
-    def __init__(self, env: dict | None = None, python: str = sys.executable):
-        self.env = env
-        self.python = python
-        self.proc: subprocess.Popen | None = None
-        self._replies = None
-
-    def start(self) -> None:
-        read_fd, write_fd = os.pipe()
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(self.env if self.env is not None else os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        cmd = [self.python, "-m", "engine.runner", "--reply-fd", str(write_fd)]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, text=True, env=env, cwd=os.getcwd(), pass_fds=(write_fd,)
-        )
-        os.close(write_fd)
-        self._replies = os.fdopen(read_fd)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.proc is None else self.proc.pid
-
-    def run(self, argv: list[str], console: str | None = None) -> int:
-        """Run ``train.py argv`` in the worker (started on first use, restarted after a death);
-        returns its exit status, or the worker's (negative: killed by a signal) if it died."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.close()
-            self.start()
-        request = json.dumps({"argv": list(argv), "console": console}) + "\n"
-        try:
-            self.proc.stdin.write(request)
-            self.proc.stdin.flush()
-            line = self._replies.readline()
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:  # the worker died during the run
-            code = self.proc.wait()
-            self.close()
-            return code if code else CRASHED
-        return int(json.loads(line)["rc"])
-
-    def close(self) -> None:
-        """Stop the worker (it finishes after its current run) and wait for it."""
-        if self.proc is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            self.proc.wait()
-            self.proc = None
-        if self._replies is not None:
-            self._replies.close()
-            self._replies = None
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="A worker that runs train.py runs in-process.")
-    parser.add_argument("--reply-fd", type=int, required=True, help="where answers go")
-    args = parser.parse_args(argv)
-    return serve(args.reply_fd)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return 0

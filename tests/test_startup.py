@@ -142,8 +142,8 @@ def test_a_run_leaves_no_worker_thread_or_handler_behind(tmp_path, tiny_clip_opt
     out = run_python(
         f"""
         import logging, multiprocessing, threading, time
-        from engine.runner import finish_process, prepare_worker, run_in_process
-        prepare_worker()
+        import datasets, trainers
+        from engine.runner import finish_process, run_in_process
         assert run_in_process({argv!r}) == 0
         handlers = [h for h in logging.getLogger().handlers if getattr(h, "_engine_handler", 0)]
         joined = [t for t in threading.enumerate() if not t.daemon]  # exit waits for these

@@ -982,7 +982,7 @@ def packed_wall(runs: list[list[str]], workers: int) -> float:
     import threading
     from queue import Empty, Queue
 
-    from engine.runner import Worker
+    from tools.worker import Worker
 
     queue: Queue = Queue()
     for argv in runs:

@@ -269,7 +269,7 @@ class Progress:
 
 # -- execution --------------------------------------------------------------------------------
 def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool, worker=None) -> int:
-    """Run ``cmd`` (a train.py command) as a process, or in ``worker`` (engine.runner.Worker:
+    """Run ``cmd`` (a train.py command) as a process, or in ``worker`` (tools.worker.Worker:
     ``train.py``'s arguments run in that process); output in ``console.txt`` unless ``stream``.
     """
     console = None
@@ -296,7 +296,7 @@ def execute_chain(
     worker=None,
 ) -> None:
     """Run the unfinished runs of ``chain`` in order (evaluations need a finished training);
-    ``worker``: an in-process worker (engine.runner.Worker) that runs them, else processes."""
+    ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes."""
     for run in chain.runs:
         status = run_status(run)
         if status == "done":
@@ -390,7 +390,7 @@ def run_local(
         where += f" worker {slot}" if max(per_gpu, workers) > 1 else ""
         runner = None
         if in_process:
-            from engine.runner import Worker
+            from tools.worker import Worker
 
             runner = Worker(env, python=setup.python)
         try:
