@@ -10,7 +10,8 @@ Reads ``scalars.jsonl`` of one or more run folders (the engine writes a row per 
   (``--smooth`` steps; default 1/25 of the run's steps);
 - right: its distribution in the early, middle and late stage of training (box plots): the
   stages are thirds (``--stages N``: N equal parts) of the steps at which the run logged it, so a
-  staged run (``OPTIM.SAM.START_EPOCH``) is split over its sharpness-aware steps.
+  staged run (``OPTIM.SAM.STAGE2_EPOCHS`` or ``START_EPOCH``) is split over its sharpness-aware
+  steps.
 
 Runs of different optimizers can be compared: a metric that a run did not log (SAM logs no
 ``ema_norm``, SGD no diagnostics at all) is left out for that run; a metric that no run logged

@@ -30,9 +30,9 @@ Differences from MaPLe's code base, all deliberate:
 - the deep prompts are a ParameterList/ModuleList that replicate correctly.
 As in MaPLe's code, all deep projections start from one copy of the same random initialisation.
 
-Staged training with a sharpness-aware optimizer (the SAMPLe paper): the optimizer configs in
-configs/optim/MaPLe/ freeze ``proj.*`` and ``compound_prompt_projections.*`` from
-``OPTIM.SAM.START_EPOCH`` on (see those files for the chosen epoch).
+Staged training with SAMPLe (the SAMPLe paper; optim/staging.py):
+configs/optim/MaPLe/sample.yaml trains everything over the published schedule, then freezes
+``proj.*`` and ``compound_prompt_projections.*`` for ``OPTIM.SAM.STAGE2_EPOCHS`` added epochs.
 """
 
 from __future__ import annotations
