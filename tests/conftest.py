@@ -24,14 +24,14 @@ if "SAMPLE_PL_CACHE" not in os.environ:  # caches of the tests never go to the h
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory):
     """(config json path, checkpoint path) of a tiny random CLIP."""
-    from engine.toy import write_tiny_clip
+    from engine.clip.toy import write_tiny_clip
 
     return write_tiny_clip(str(tmp_path_factory.mktemp("clip")))
 
 
 @pytest.fixture(scope="session")
 def tiny_clip_opts(tiny_clip):
-    from engine.toy import TINY_OPTS
+    from engine.clip.toy import TINY_OPTS
 
     cfg_path, ckpt = tiny_clip
     return [
@@ -56,7 +56,7 @@ def deep_opts(tmp_path_factory):
 @pytest.fixture
 def dtd_root(tmp_path):
     """A fresh DTD-layout dataset (7 classes x 10 images, no split file)."""
-    from engine.toy import make_dtd
+    from datasets.synthetic import make_dtd
 
     root = tmp_path / "data"
     make_dtd(str(root))
@@ -65,7 +65,7 @@ def dtd_root(tmp_path):
 
 @pytest.fixture(scope="session")
 def dtd_root_shared(tmp_path_factory):
-    from engine.toy import make_dtd
+    from datasets.synthetic import make_dtd
 
     root = tmp_path_factory.mktemp("shared_data")
     make_dtd(str(root), per_class=12)

@@ -13,9 +13,10 @@ import re
 import torch
 from conftest import ROOT, make_cfg, run_train
 
+from datasets.synthetic import DTD_CLASSES
 from engine import build_trainer
+from engine.clip.toy import TINY_OPTS, write_tiny_clip
 from engine.registry import TRAINER_REGISTRY
-from engine.toy import DTD_CLASSES, TINY_OPTS, write_tiny_clip
 
 DEEP_CLIP = {
     "embed_dim": 32,

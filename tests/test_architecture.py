@@ -166,7 +166,7 @@ def cfg_opts(cfg) -> list[str]:
     b = cfg.MODEL.BACKBONE
     opts = ["MODEL.BACKBONE.NAME", b.NAME, "MODEL.BACKBONE.CONFIG", b.CONFIG]
     opts += ["MODEL.BACKBONE.PATH", b.PATH, "OUTPUT_DIR", cfg.OUTPUT_DIR]
-    from engine.toy import TINY_OPTS
+    from engine.clip.toy import TINY_OPTS
 
     return opts + list(TINY_OPTS)
 
@@ -174,3 +174,14 @@ def cfg_opts(cfg) -> list[str]:
 def test_trainer_base_class_is_the_public_one():
     assert issubclass(TRAINER_REGISTRY.get("CoOp"), TrainerX)
     assert TRAINABLE  # the registry drives the shared tests
+
+
+def test_make_toy_writes_a_clip_and_a_dataset(tmp_path):
+    from tools import make_toy
+
+    assert make_toy.main([str(tmp_path), "--per-class", "2"]) == 0
+    assert osp.isfile(tmp_path / "tiny_clip.json") and osp.isfile(tmp_path / "tiny_clip.pt")
+    classes = os.listdir(tmp_path / "data" / "dtd" / "images")
+    assert len(classes) == 7 and all(
+        len(os.listdir(tmp_path / "data" / "dtd" / "images" / c)) == 2 for c in classes
+    )

@@ -22,10 +22,11 @@ import torch
 from conftest import ROOT, make_cfg
 from helpers import DEPTH, assert_one_step_updates, write_descriptions
 
+from datasets.synthetic import DTD_CLASSES
 from engine import build_trainer
 from engine.clip.model import BackboneError, build_clip, save_clip_checkpoint
+from engine.clip.toy import TINY_OPTS
 from engine.errors import ConfigError
-from engine.toy import DTD_CLASSES, TINY_OPTS
 
 ALIASES = ("SAMPLe", "SAMPLeCoCoOp", "SAMPLeMAP", "SAMPLeSRC")
 COOP_FILES = ("rn101", "rn101_ep50", "rn50_ep100", "rn50_ep50_ctxv1", "rn50_val")

@@ -12,7 +12,7 @@ from conftest import make_cfg
 
 from engine.clip import BackboneError, TextEncoder, load_clip, tokenize, truncate_tokens
 from engine.clip.model import build_clip, read_state_dict
-from engine.toy import TINY_CLIP_CONFIG
+from engine.clip.toy import TINY_CLIP_CONFIG
 
 
 def _cfg(tiny_clip, *extra):

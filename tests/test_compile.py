@@ -8,15 +8,15 @@ import torch
 from conftest import make_cfg
 
 from engine import build_trainer
+from engine.clip.toy import TINY_CLIP_CONFIG, write_tiny_clip
 from engine.compile import check_compile_option
-from engine.toy import TINY_CLIP_CONFIG, write_tiny_clip
 
 
 @pytest.fixture(scope="module")
 def deep_clip_opts(tmp_path_factory):
     import copy
 
-    from engine.toy import TINY_OPTS
+    from engine.clip.toy import TINY_OPTS
 
     config = copy.deepcopy(TINY_CLIP_CONFIG)
     config["text_cfg"]["layers"] = config["vision_cfg"]["layers"] = 3

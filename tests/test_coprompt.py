@@ -23,8 +23,8 @@ from helpers import (
     write_descriptions,
 )
 
+from datasets.synthetic import DTD_CLASSES
 from engine.clip import encode_texts, tokenize
-from engine.toy import DTD_CLASSES
 from trainers.coprompt import class_descriptions, read_descriptions
 from trainers.maple import MaPLeCLIP
 

@@ -177,8 +177,8 @@ def test_training_check_and_skip_update_the_loader_and_the_decoded_cache(dtd_roo
 def test_check_cost_per_1000_images(tmp_path):
     """The fast check reads headers and file ends (~0.05 ms per image when cached by the OS);
     a loose bound here only catches an accidental full decode (~2-4 ms per 500x375 JPEG)."""
+    from datasets.synthetic import make_image_folder
     from engine.data import Datum
-    from engine.toy import make_image_folder
 
     make_image_folder(str(tmp_path), ["a", "b"], per_class=500, size=64)
     items = [Datum(osp.join(dp, f), 0, 0, "a") for dp, _, fs in os.walk(str(tmp_path)) for f in fs]

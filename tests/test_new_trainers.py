@@ -17,8 +17,8 @@ from conftest import ROOT, make_cfg, run_train
 from engine import build_trainer
 from engine.clip import TextEncoder, load_clip, tokenize
 from engine.clip.text import full_length_prompts
+from engine.clip.toy import TINY_OPTS, write_tiny_clip
 from engine.registry import TRAINER_REGISTRY
-from engine.toy import TINY_OPTS, write_tiny_clip
 from tools.benchmark import reference_style
 from trainers.ivlp import IVLPCLIP, IndependentPromptLearner
 from trainers.promptsrc import IMAGENET_TEMPLATES, gpa_weights, promptsrc_losses

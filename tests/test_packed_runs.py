@@ -89,7 +89,7 @@ def assert_same_runs(a: str, b: str, resumed: bool = False) -> None:
 def separate(tmp_path_factory, tiny_clip_opts):
     """The grid with one train.py process per run (the reference)."""
     base = tmp_path_factory.mktemp("packed")
-    from engine.toy import make_dtd
+    from datasets.synthetic import make_dtd
 
     make_dtd(str(base / "data"))
     out = str(base / "separate")

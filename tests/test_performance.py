@@ -27,10 +27,10 @@ from torch.overrides import TorchFunctionMode
 
 from engine import build_trainer
 from engine.clip.text import full_length_prompts, truncate_tokens
+from engine.clip.toy import TINY_CLIP_CONFIG, TINY_OPTS, write_tiny_clip
 from engine.data import DataManager
 from engine.feature_cache import FeatureCache, cache_key
 from engine.registry import TRAINER_REGISTRY
-from engine.toy import TINY_CLIP_CONFIG, TINY_OPTS, write_tiny_clip
 from tools.benchmark import make_jpeg_dataset, reference_style, trainer_config_file
 
 TRAINERS = ["CoOp", "CoCoOp", "TCP", "MaPLe", "CoPrompt"]

@@ -408,7 +408,7 @@ def test_script_stops_when_data_or_weights_are_missing(tmp_path, tiny_clip_opts)
 
 @pytest.mark.slow
 def test_transfer_scripts_end_to_end(tmp_path, tiny_clip_opts):
-    from engine.toy import make_dtd, make_image_folder
+    from datasets.synthetic import make_dtd, make_image_folder
 
     data, out = tmp_path / "data", tmp_path / "output"
     wnids = ["n01440764", "n01443537", "n01484850"]

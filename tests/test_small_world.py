@@ -126,6 +126,7 @@ def test_reader_errors(tmp_path):
 # -- pretraining --------------------------------------------------------------------------------
 def _pretrain(model_config: str, output: str) -> dict:
     from tools import pretrain_small_clip
+
     argv = ["--model-config", model_config, "--output", output, "--steps", "3"]
     argv += ["--batch-size", "16", "--pool-size", "48", "--eval-images", "64", "--threads", "1"]
     argv += ["--warmup", "1", "--log-every", "1"]

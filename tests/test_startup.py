@@ -131,7 +131,7 @@ def test_tensorboard_writer_starts_with_the_first_scalars(tmp_path):
 
 
 def test_a_run_leaves_no_worker_thread_or_handler_behind(tmp_path, tiny_clip_opts):
-    from engine.toy import make_dtd
+    from datasets.synthetic import make_dtd
 
     data = make_dtd(str(tmp_path / "data"))
     argv = ["--root", osp.dirname(data), "--seed", "1", "--trainer", "CoOp"]

@@ -13,7 +13,7 @@ from conftest import ROOT, make_cfg, run_train
 
 from engine import build_trainer
 from engine.clip import encode_texts, tokenize
-from engine.toy import TINY_CLIP_CONFIG, TINY_OPTS, write_tiny_clip
+from engine.clip.toy import TINY_CLIP_CONFIG, TINY_OPTS, write_tiny_clip
 from trainers.tcp import learnable_prompt, tcp_templates
 
 CONFIG = "configs/trainers/TCP/vit_b16_ep100_ctxv1.yaml"

@@ -167,7 +167,7 @@ def make_settings(args, tmp: str) -> Settings:
         workers=args.workers if args.workers is not None else (8 if cuda else 0),
     )
     if small:
-        from engine.toy import write_tiny_clip
+        from engine.clip.toy import write_tiny_clip
 
         cfg_path, _ = write_tiny_clip(osp.join(tmp, "small_clip"), config=SMALL_CLIP)
         s.model_opts = ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path]
@@ -890,7 +890,8 @@ def run_argv(root: str, out: str, device: str, seed: int, epochs: int, workers: 
 
 
 def make_run_data(root: str, device: str) -> None:
-    from engine.toy import DTD_CLASSES, TINY_CLIP_CONFIG, make_image_folder, write_tiny_clip
+    from datasets.synthetic import DTD_CLASSES, make_image_folder
+    from engine.clip.toy import TINY_CLIP_CONFIG, write_tiny_clip
 
     size = 40 if device == "cpu" else 256
     make_image_folder(osp.join(root, "dtd", "images"), DTD_CLASSES, per_class=16, size=size)
