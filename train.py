@@ -19,7 +19,8 @@ Examples::
 
 Config merge order (as in CoOp): defaults, trainer keys, --dataset-config-file, --config-file,
 --optim-config-file, the flags below, then the trailing KEY VALUE options. Re-running into an
-existing output folder resumes from its last checkpoint.
+existing output folder resumes from its last checkpoint (the same experiment only: a changed
+config is refused; --overwrite starts over, --force-resume continues anyway).
 """
 
 import sys
@@ -27,8 +28,9 @@ import sys
 import datasets  # noqa: F401  (registers the dataset readers)
 import trainers  # noqa: F401  (registers the trainers)
 from engine.cli import build_parser, main, reset_cfg, run, setup_cfg
+from engine.runner import finish_process
 
 __all__ = ["build_parser", "main", "reset_cfg", "run", "setup_cfg"]
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(finish_process(run()))  # finish_process: exit without the final GC walk
