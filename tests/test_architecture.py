@@ -61,6 +61,7 @@ def test_import_graph_is_one_way():
     "module,forbidden",
     [("optim", ("engine", "trainers", "datasets", "tools")), ("engine", ("trainers", "datasets"))],
 )
+@pytest.mark.slow
 def test_importing_a_layer_loads_nothing_above_it(module, forbidden):
     code = (
         f"import sys, {module}\n"

@@ -32,6 +32,7 @@ EXTRA = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", sorted(EXTRA))
 def test_compiled_step_and_evaluation_match_eager(trainer, tmp_path, dtd_root, deep_clip_opts):
     results = {}

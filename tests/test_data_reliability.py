@@ -91,6 +91,7 @@ def test_image_problem_reasons(tmp_path, dtd_root):
         assert reason in image_problem(path), (path, image_problem(path))
 
 
+@pytest.mark.slow
 def test_unreadable_training_images_all_listed_before_the_first_step(
     tmp_path, dtd_root, tiny_clip_opts
 ):
@@ -113,6 +114,7 @@ def test_unreadable_training_images_all_listed_before_the_first_step(
     assert "Finish training" in log and "=> result" in log
 
 
+@pytest.mark.slow
 def test_unreadable_test_images_reported_by_an_evaluation_only_run(
     tmp_path, dtd_root, tiny_clip_opts
 ):
@@ -152,6 +154,7 @@ def test_image_failing_in_a_loader_worker_names_the_file_without_the_worker_trac
     assert "Traceback" not in msg and "DataLoader worker" in msg
 
 
+@pytest.mark.slow
 def test_training_check_and_skip_update_the_loader_and_the_decoded_cache(dtd_root):
     ds = _dtd(dtd_root)
     expected = _break_three([d.impath for d in ds.train_x[:3]])
@@ -191,6 +194,7 @@ def test_check_cost_per_1000_images(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Row 2: damaged split and few-shot cache files
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_invalid_split_json_is_one_clear_error(tmp_path, dtd_root, tiny_clip_opts):
     path = osp.join(dtd_root, "dtd", SPLIT)
     with open(path, "w") as f:
@@ -402,6 +406,7 @@ def test_bad_data_config_values_name_the_key(dtd_root, key, value):
         DataManager(cfg)
 
 
+@pytest.mark.slow
 def test_bad_config_value_on_the_command_line(tmp_path, dtd_root, tiny_clip_opts):
     args = _train_args(dtd_root, str(tmp_path / "o"), tiny_clip_opts)
     proc = run_train(args + ["DATALOADER.NUM_WORKERS", "-1"], check=False)

@@ -404,6 +404,7 @@ def test_check_data_reports_readers_without_a_layout_as_unchecked(tmp_path, monk
         check_data.check_dataset(str(tmp_path), "NoSuchSet")
 
 
+@pytest.mark.slow
 def test_check_data_script_exit_status(tmp_path):
     proc = subprocess.run(
         [sys.executable, osp.join(ROOT, "tools", "check_data.py"), "--root", str(tmp_path)],

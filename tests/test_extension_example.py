@@ -49,6 +49,7 @@ def test_new_optimizer_and_trainer_run_through_the_shared_suites():
     )
 
 
+@pytest.mark.slow
 def test_the_new_key_comes_from_the_registry_entry():
     code = (
         "import example_plugin, trainers, datasets\n"

@@ -47,6 +47,7 @@ def test_engine_top_level_api(dtd_root):
     assert callable(build_trainer)
 
 
+@pytest.mark.slow
 def test_train_py_help():
     import subprocess
     import sys

@@ -130,6 +130,7 @@ def chromium() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(tmp_path):
     out = str(tmp_path / "output")
     make_runs(out)

@@ -143,6 +143,7 @@ def interrupted(tmp_path_factory, dtd_root_shared, tiny_clip_opts):
     )
 
 
+@pytest.mark.slow
 def test_kill_resumes_from_the_rolling_checkpoint(interrupted):
     out, e = interrupted["out"], interrupted["killed_at"]
     assert not interrupted["pointer_before"]  # the rolling file is not in Dassl's pointer
@@ -187,6 +188,7 @@ def test_resumed_run_writes_each_scalar_step_once(interrupted):
 
 
 # -- 5: a run folder belongs to one experiment -----------------------------------------------------
+@pytest.mark.slow
 def test_changed_config_is_refused_then_forced_or_started_over(interrupted, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(interrupted["out"], out)
@@ -243,6 +245,7 @@ def test_orphans_of_nested_run_folders_are_left_alone(tmp_path):
 
 
 # -- 4: a run folder is owned by one process -------------------------------------------------------
+@pytest.mark.slow
 def test_second_run_into_a_busy_folder_is_refused(tmp_path, dtd_root, tiny_clip_opts):
     out = str(tmp_path / "run")
     args = _args(dtd_root, out, tiny_clip_opts, "OPTIM.MAX_EPOCH", "200")
@@ -274,6 +277,7 @@ def test_lock_is_per_folder_and_released(tmp_path):
 
 
 # -- 2: NaN never persists -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_diverged_run_keeps_its_last_finite_checkpoint_and_is_not_resumed_blindly(
     tmp_path, dtd_root, tiny_clip_opts
 ):
@@ -299,6 +303,7 @@ def test_diverged_run_keeps_its_last_finite_checkpoint_and_is_not_resumed_blindl
     assert not osp.exists(osp.join(out, "diverged.json"))
 
 
+@pytest.mark.slow
 def test_lr_that_overflows_fp32_is_a_config_error(tmp_path, dtd_root, tiny_clip_opts):
     args = _args(dtd_root, str(tmp_path / "o"), tiny_clip_opts, "OPTIM.LR", "1e39")
     err = _user_error(run_train(args, check=False))
@@ -375,6 +380,7 @@ def test_weights_blown_up_by_the_last_step_of_an_epoch(tmp_path, dtd_root, tiny_
     assert json.load(open(osp.join(out, "diverged.json")))["epoch"] == 2
 
 
+@pytest.mark.slow
 def test_evaluation_refuses_nonfinite_logits(tmp_path, dtd_root, tiny_clip_opts):
     model_dir = tmp_path / "model"
     (model_dir / "prompt_learner").mkdir(parents=True)
@@ -436,6 +442,7 @@ def test_scalar_writer_on_a_full_disk(tmp_path, monkeypatch):
         writer.flush()
 
 
+@pytest.mark.slow
 def test_unwritable_output_folder_is_one_clear_error(tmp_path, dtd_root, tiny_clip_opts):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("a file where the output folder's parent should be")
@@ -480,6 +487,7 @@ def test_config_values_are_validated_with_their_key(tiny_clip_opts, key, value, 
         build_trainer(cfg, classnames=CLASSES)
 
 
+@pytest.mark.slow
 def test_zero_epochs_on_the_command_line(tmp_path, dtd_root, tiny_clip_opts):
     args = _args(dtd_root, str(tmp_path / "o"), tiny_clip_opts, "OPTIM.MAX_EPOCH", "0")
     err = _user_error(run_train(args, check=False))
@@ -516,6 +524,7 @@ def _dassl_checkpoint(state_dict, epoch=2):
     }
 
 
+@pytest.mark.slow
 def test_eval_from_an_original_coop_checkpoint(tmp_path, dtd_root, tiny_clip_opts):
     ctx = torch.randn(4, 32) * 0.02  # vit_b16_ctxv1: N_CTX 4
     sd = {"ctx": ctx, "token_prefix": torch.randn(7, 1, 32), "token_suffix": torch.randn(7, 60, 32)}
@@ -531,6 +540,7 @@ def test_eval_from_an_original_coop_checkpoint(tmp_path, dtd_root, tiny_clip_opt
     assert "val result: 71.2" in log and "=> result" in log and "* accuracy:" in log
 
 
+@pytest.mark.slow
 def test_evil_pickle_is_refused_in_one_paragraph(tmp_path, dtd_root, tiny_clip_opts):
     marker = tmp_path / "pwned"
 
@@ -613,6 +623,7 @@ def test_original_cocoop_and_tcp_checkpoints_load(tmp_path, tiny_clip_opts, trai
 
 
 # -- 10: checkpoints of another trainer or other settings -----------------------------------------
+@pytest.mark.slow
 def test_coop_checkpoint_given_to_cocoop(tmp_path, dtd_root, tiny_clip_opts):
     model_dir = tmp_path / "coop"
     (model_dir / "prompt_learner").mkdir(parents=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import ROOT
 
 
@@ -33,6 +34,7 @@ def fake_library(folder, name: str, marker) -> None:
     (folder / name / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
 
 
+@pytest.mark.slow
 def test_packages_import_neither_transformers_nor_timm(tmp_path):
     # stand-ins for the libraries of the towers the project does not use: open_clip imports
     # both at its own import time when they are installed (transformers costs ~8 s on a GPU host)
@@ -52,6 +54,7 @@ def test_packages_import_neither_transformers_nor_timm(tmp_path):
     assert not any(n.endswith(".imported") for n in os.listdir(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_timm_vision_tower_still_builds(tmp_path):
     out = run_python(
         """
@@ -68,6 +71,7 @@ def test_a_timm_vision_tower_still_builds(tmp_path):
     assert out.split() == ["TimmModel", "True"]
 
 
+@pytest.mark.slow
 def test_compile_off_imports_no_dynamo(tmp_path):
     path = osp.join(ROOT, "engine", "compile.py")
     out = run_python(
@@ -130,6 +134,7 @@ def test_tensorboard_writer_starts_with_the_first_scalars(tmp_path):
     assert os.listdir(tb)  # the event file
 
 
+@pytest.mark.slow
 def test_a_run_leaves_no_worker_thread_or_handler_behind(tmp_path, tiny_clip_opts):
     from datasets.synthetic import make_dtd
 
