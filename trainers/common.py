@@ -63,6 +63,32 @@ def register_class_prompts(
     return tokens
 
 
+def init_context(
+    embedding: nn.Embedding, ctx_init: str, n_ctx: int, key: str = "N_CTX"
+) -> tuple[torch.Tensor, str]:
+    """The initial fp32 context ``[n_ctx, width]`` and the prompt prefix of a deep prompt learner.
+
+    With ``ctx_init`` words: the embeddings of its first ``n_ctx`` tokens and the words as
+    prefix; without: N(0, 0.02) drawn on the CPU (as MaPLe's code) and ``n_ctx`` "X"
+    placeholders. ``key`` names the count in errors (e.g. "N_CTX_TEXT").
+    """
+    width = embedding.weight.shape[1]
+    ctx_init = ctx_init.replace("_", " ").strip()
+    if not ctx_init:
+        ctx = torch.empty(n_ctx, width)
+        nn.init.normal_(ctx, std=0.02)
+        return ctx, " ".join(["X"] * n_ctx)
+    n_words = len(ctx_init.split())
+    if n_ctx > n_words:
+        raise ValueError(
+            f"{key} {n_ctx} is larger than the {n_words} words of CTX_INIT {ctx_init!r}: give "
+            f"at least {key} words, or CTX_INIT '' for a random context"
+        )
+    with torch.no_grad():
+        init = embedding(tokenize(ctx_init).to(embedding.weight.device))  # [1, 77, width]
+    return init[0, 1 : 1 + n_ctx, :].float(), ctx_init
+
+
 def setup_learnable(trainer, module: nn.Module, name: str) -> list[str]:
     """Train only ``module`` (a part of ``trainer.model``): freeze the rest, load
     ``MODEL.INIT_WEIGHTS``, build the optimizer and LR scheduler over it and register it under

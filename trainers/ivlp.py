@@ -40,11 +40,11 @@ import logging
 import torch
 from torch import nn
 
-from engine.clip import require_vit, tokenize
+from engine.clip import require_vit
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 
-from .common import register_class_prompts
+from .common import init_context, register_class_prompts
 from .maple import MaPLe, MaPLeCLIP, MaPLePrompts, text_prompt_hook, vision_prompt_hook
 
 logger = logging.getLogger(__name__)
@@ -119,22 +119,8 @@ class IndependentPromptLearner(nn.Module):
         embedding = clip_model.token_embedding
         device = embedding.weight.device
 
-        ctx_init = ctx_init.replace("_", " ").strip()
-        if ctx_init:
-            n_words = len(ctx_init.split())
-            if n_ctx_text > n_words:
-                raise ValueError(
-                    f"N_CTX_TEXT {n_ctx_text} is larger than the {n_words} words of CTX_INIT "
-                    f"{ctx_init!r}: give at least N_CTX_TEXT words, or CTX_INIT '' for a random "
-                    "context"
-                )
-            with torch.no_grad():
-                init = embedding(tokenize(ctx_init).to(device))  # [1, 77, ctx_dim]
-            self.ctx = nn.Parameter(init[0, 1 : 1 + n_ctx_text, :].float())  # fp32 master
-            prompt_prefix = ctx_init
-        else:
-            self.ctx = _normal(n_ctx_text, ctx_dim, device=device)
-            prompt_prefix = " ".join(["X"] * n_ctx_text)
+        ctx, prompt_prefix = init_context(embedding, ctx_init, n_ctx_text, "N_CTX_TEXT")
+        self.ctx = nn.Parameter(ctx.to(device))  # fp32 master weights
         self.deep_text = nn.ParameterList(
             [_normal(n_ctx_text, ctx_dim, device=device) for _ in range(depth_text - 1)]
         )

@@ -53,12 +53,11 @@ from engine.clip import (
     tokenize,
     truncate_tokens,
 )
-from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
 
-from .common import clip_logits, l2_normalize, setup_learnable
+from .common import clip_logits, init_context, l2_normalize, setup_learnable
 
 logger = logging.getLogger(__name__)
 
@@ -123,23 +122,7 @@ class MultiModalPromptLearner(nn.Module):
         embedding = clip_model.token_embedding
         device = embedding.weight.device
 
-        ctx_init = ctx_init.replace("_", " ").strip()
-        if ctx_init:
-            n_words = len(ctx_init.split())
-            if n_ctx > n_words:
-                raise ValueError(
-                    f"N_CTX {n_ctx} is larger than the {n_words} words of CTX_INIT "
-                    f"{ctx_init!r}: give at least N_CTX words, or CTX_INIT '' for a random "
-                    "context"
-                )
-            with torch.no_grad():
-                init = embedding(tokenize(ctx_init).to(device))  # [1, 77, ctx_dim]
-            ctx_vectors = init[0, 1 : 1 + n_ctx, :].float()  # [n_ctx, ctx_dim]
-            prompt_prefix = ctx_init
-        else:
-            ctx_vectors = torch.empty(n_ctx, ctx_dim)
-            nn.init.normal_(ctx_vectors, std=0.02)
-            prompt_prefix = " ".join(["X"] * n_ctx)
+        ctx_vectors, prompt_prefix = init_context(embedding, ctx_init, n_ctx)  # [n_ctx, ctx_dim]
         self.ctx = nn.Parameter(ctx_vectors.to(device))  # fp32 master weights
         self.proj = nn.Linear(ctx_dim, vis_dim).to(device)
         deep = []
@@ -272,15 +255,6 @@ class MaPLe(TrainerX):
 
     add_config = staticmethod(add_maple_config)
     model_name = "MultiModalPromptLearner"  # checkpoint folder, as in MaPLe's code base
-
-    def check_cfg(self, cfg):
-        node = self.trainer_cfg(cfg)
-        if node.N_CTX < 1:
-            raise ConfigError(f"{self.cfg_key('N_CTX')} must be >= 1, got {node.N_CTX}")
-        if node.PROMPT_DEPTH < 1:
-            raise ConfigError(
-                f"{self.cfg_key('PROMPT_DEPTH')} must be >= 1, got {node.PROMPT_DEPTH}"
-            )
 
     MODEL_CLASS = MaPLeCLIP  # CoPrompt: its CLIP with adapters and teacher
 

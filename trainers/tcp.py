@@ -229,11 +229,7 @@ class TCP(PromptTrainer):
     add_config = staticmethod(add_tcp_config)
 
     def check_cfg(self, cfg):
-        c = cfg.TRAINER.TCP
-        if c.N_CTX < 1:
-            raise ValueError(f"TRAINER.TCP.N_CTX must be >= 1, got {c.N_CTX}")
-        if c.INJECT_LAYER < 0:
-            raise ValueError(f"TRAINER.TCP.INJECT_LAYER must be >= 0, got {c.INJECT_LAYER}")
+        c = cfg.TRAINER.TCP  # N_CTX and INJECT_LAYER are checked where they are used (the model)
         if c.W is not None:
             raise ConfigError(
                 f"TRAINER.TCP.W {c.W}: the KgCoOp loss weight is now TRAINER.TCP.KG_WEIGHT "
