@@ -45,6 +45,7 @@ from .data import DataManager
 from .errors import ConfigError
 from .evaluation import EvaluationMixin, compute_dtype
 from .evaluator import build_evaluator
+from .finite import FiniteWatch
 from .registry import TRAINER_REGISTRY
 from .run_folder import clear_divergence, write_divergence
 from .utils import AverageMeter, MetricMeter, epoch_seed, set_random_seed
@@ -298,7 +299,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.output_dir = cfg.OUTPUT_DIR
         self.cfg = cfg
         self.prec = self._precision(cfg)
-        self._checks: list[tuple[int, int, torch.Tensor, dict]] = []
+        self.finite = FiniteWatch()  # NaN/inf losses and parameters, checked at PRINT_FREQ
         if cfg.SEED >= 0:  # the same seed gives the same model (e.g. random prompt init) in-process
             set_random_seed(cfg.SEED)
         check_compile_option(cfg.MODEL.COMPILE)
@@ -500,48 +501,20 @@ class TrainerX(SimpleTrainer):
             inputs = self.prepare_step(parsed)
         loss, summary = self._loss(inputs)
         stats = self.optim_step(loss, lambda: self._loss(inputs)[0], self.epoch)
-        self._checks.append((self.epoch, self.batch_idx, loss.detach(), summary))
+        self.finite.record(self.epoch, self.batch_idx, loss, summary)
         out = {"loss": loss.detach(), **summary}
         out.update(stats)
         return out
 
     def _check_finite(self) -> None:
-        """Raise FloatingPointError on the first non-finite loss since the last check, or on a
-        non-finite learnable parameter after the last step (one host sync for both)."""
-        if not self._checks:
-            return
-        losses = torch.stack([c[2].float().reshape(()) for c in self._checks])
-        bad = ~torch.isfinite(losses)
+        """Raise on a non-finite loss or parameter since the last check (engine.finite)."""
         params = [
             (f"{name}.{pname}", p)
             for name in self.get_model_names()
             for pname, p in self._models[name].named_parameters()
             if p.requires_grad
         ]
-        finite = [torch.isfinite(p.detach()).all().to(bad.device) for _, p in params]
-        params_ok = torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
-        flags = torch.cat([bad.any().reshape(1), (~params_ok).reshape(1).to(bad.device)]).tolist()
-        if flags[1] and not flags[0]:
-            epoch, batch_idx, value, _ = self._checks[-1]
-            names = [n for (n, _), ok in zip(params, torch.stack(finite).tolist()) if not ok]
-            self._checks.clear()
-            raise FloatingPointError(
-                f"Parameters became infinite or NaN at epoch {epoch + 1}/{self.max_epoch}, "
-                f"batch {batch_idx + 1}/{self.num_batches} (the loss was still finite: "
-                f"{float(value)}): {names[:8]}. Try a lower OPTIM.LR, PREC fp32/amp instead of "
-                "fp16, or a larger ADAM_EPS."
-            )
-        if flags[0]:
-            i = int(bad.nonzero()[0])
-            epoch, batch_idx, value, summary = self._checks[i]
-            terms = {k: float(v) for k, v in summary.items()}
-            self._checks.clear()
-            raise FloatingPointError(
-                f"Loss became infinite or NaN at epoch {epoch + 1}/{self.max_epoch}, batch "
-                f"{batch_idx + 1}/{self.num_batches}: loss = {float(value)}; terms = {terms}. "
-                "Try a lower OPTIM.LR, PREC fp32/amp instead of fp16, or a larger ADAM_EPS."
-            )
-        self._checks.clear()
+        self.finite.check(params, self.max_epoch, self.num_batches)
 
     # -- the epoch --------------------------------------------------------------------------
     def run_epoch(self):

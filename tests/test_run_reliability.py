@@ -338,11 +338,11 @@ def test_parameters_that_blow_up_with_a_finite_loss_stop_the_run(coop):
     saved = ctx.detach().clone()
     coop.num_batches = 7
     try:
-        coop._checks = [(1, 6, torch.tensor(0.5), {})]
+        coop.finite.record(1, 6, torch.tensor(0.5), {})
         coop._check_finite()  # all finite: nothing
         with torch.no_grad():
             ctx[0, 0] = float("inf")
-        coop._checks = [(1, 6, torch.tensor(0.5), {})]
+        coop.finite.record(1, 6, torch.tensor(0.5), {})
         with pytest.raises(FloatingPointError, match=r"Parameters became infinite or NaN at "):
             coop._check_finite()
         with pytest.raises(FloatingPointError, match="Refusing to write checkpoint"):
