@@ -113,6 +113,11 @@ def setup_prompt_learner(trainer, name: str = "prompt_learner") -> list[str]:
     return setup_learnable(trainer, getattr(trainer.model, name), name)
 
 
+def kg_loss(text_features: torch.Tensor, t_clip: torch.Tensor) -> torch.Tensor:
+    """KgCoOp's regulariser ``1 - mean cos(text_features, t_clip)`` (rows are classes)."""
+    return 1.0 - F.cosine_similarity(text_features.float(), t_clip.float(), dim=-1).mean()
+
+
 def clip_logits(logit_scale: torch.Tensor, image: torch.Tensor, text: torch.Tensor):
     """CLIP's ``logit_scale.exp() * image @ text^T``: ``[batch, n_cls]``."""
     return logit_scale.exp() * image @ text.t().to(image.dtype)
@@ -152,6 +157,17 @@ class PromptTrainer(TrainerX):
         logits = self.model.logits(image_features, self.model.encode_text())
         loss = F.cross_entropy(logits.float(), label)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
+
+    def kg_regularised_loss(self, inputs, t_clip: torch.Tensor, weight: float):
+        """KgCoOp's objective (KgCoOp, TCP): CE + ``weight`` * :func:`kg_loss` to ``t_clip``."""
+        image_features, label = inputs
+        text_features = self.model.encode_text()
+        logits = self.model.logits(image_features, text_features)
+        ce = F.cross_entropy(logits.float(), label)
+        kg = kg_loss(text_features, t_clip)
+        loss = ce + weight * kg
+        summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}
+        return loss, summary
 
     def before_test(self):
         self._text_features = self.model.encode_text()

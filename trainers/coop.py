@@ -112,6 +112,19 @@ class PromptLearner(nn.Module):
         self.class_token_position = class_token_position
         self.prompt_prefix = prompt_prefix
 
+    @classmethod
+    def from_node(cls, classnames: list[str], clip_model, node) -> PromptLearner:
+        """Built from a config node with CoOp's keys (N_CTX, CTX_INIT, CSC,
+        CLASS_TOKEN_POSITION), e.g. TRAINER.COOP or TRAINER.KGCOOP."""
+        return cls(
+            classnames,
+            clip_model,
+            n_ctx=node.N_CTX,
+            ctx_init=node.CTX_INIT,
+            csc=node.CSC,
+            class_token_position=node.CLASS_TOKEN_POSITION,
+        )
+
     def _token_order(self, n_ctx: int, position: str, seq_len: int) -> torch.Tensor:
         """For each class, the source index of every prompt position in the "end" layout
         [SOS, ctx, class, suffix] (an identity for "end")."""
@@ -156,15 +169,7 @@ class CustomCLIP(FrozenImageCLIP):
 
     def __init__(self, cfg, classnames, clip_model):
         super().__init__(clip_model)
-        c = cfg.TRAINER.COOP
-        self.prompt_learner = PromptLearner(
-            classnames,
-            clip_model,
-            n_ctx=c.N_CTX,
-            ctx_init=c.CTX_INIT,
-            csc=c.CSC,
-            class_token_position=c.CLASS_TOKEN_POSITION,
-        )
+        self.prompt_learner = PromptLearner.from_node(classnames, clip_model, cfg.TRAINER.COOP)
         self.text_encoder = TextEncoder(clip_model)
 
     def encode_text(self) -> torch.Tensor:

@@ -30,16 +30,13 @@ context is trained; CLIP is frozen. Differences from KgCoOp's code base, all del
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.clip import TextEncoder, encode_texts, load_clip
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
-from engine.utils import compute_accuracy
 
 from .common import FrozenImageCLIP, PromptTrainer, l2_normalize, setup_prompt_learner
 from .coop import PromptLearner
-from .tcp import kg_loss
 from .zsclip import CUSTOM_TEMPLATES, DEFAULT_TEMPLATE
 
 # KgCoOp's hand-crafted templates: CoOp's, except DescribableTextures
@@ -77,15 +74,7 @@ class KgCoOpCLIP(FrozenImageCLIP):
     @classmethod
     def from_config(cls, cfg, classnames, clip_model):
         """The model of ``cfg`` (TRAINER.KGCOOP, the dataset's template) for ``classnames``."""
-        c = cfg.TRAINER.KGCOOP
-        prompt_learner = PromptLearner(
-            classnames,
-            clip_model,
-            n_ctx=c.N_CTX,
-            ctx_init=c.CTX_INIT,
-            csc=c.CSC,
-            class_token_position=c.CLASS_TOKEN_POSITION,
-        )
+        prompt_learner = PromptLearner.from_node(classnames, clip_model, cfg.TRAINER.KGCOOP)
         return cls(classnames, prompt_learner, clip_model, kgcoop_template(cfg.DATASET.NAME))
 
     def __init__(self, classnames, prompt_learner: PromptLearner, clip_model, template: str):
@@ -134,11 +123,4 @@ class KgCoOp(PromptTrainer):
         setup_prompt_learner(self)
 
     def compute_loss(self, inputs):
-        image_features, label = inputs
-        text_features = self.model.encode_text()
-        logits = self.model.logits(image_features, text_features)
-        ce = F.cross_entropy(logits.float(), label)
-        kg = kg_loss(text_features, self.model.t_clip)
-        loss = ce + self.trainer_cfg().W * kg
-        summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}
-        return loss, summary
+        return self.kg_regularised_loss(inputs, self.model.t_clip, self.trainer_cfg().W)

@@ -28,14 +28,12 @@ import logging
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from open_clip.transformer import QuickGELU
 from torch import nn
 
 from engine.clip import TextEncoder, encode_texts, load_clip
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
-from engine.utils import compute_accuracy
 
 from .common import (
     FrozenImageCLIP,
@@ -216,11 +214,6 @@ class TCPCLIP(FrozenImageCLIP):
         return self.logits(self.encode_image(image), self.encode_text())
 
 
-def kg_loss(text_features: torch.Tensor, t_clip: torch.Tensor) -> torch.Tensor:
-    """KgCoOp's regulariser ``1 - mean cos(text_features, t_clip)`` (rows are classes)."""
-    return 1.0 - F.cosine_similarity(text_features.float(), t_clip.float(), dim=-1).mean()
-
-
 @TRAINER_REGISTRY.register()
 class TCP(PromptTrainer):
     """Textual-based Class-aware Prompt tuning (TCP); image features once per step, text
@@ -248,11 +241,5 @@ class TCP(PromptTrainer):
         setup_prompt_learner(self)
 
     def compute_loss(self, inputs):
-        image_features, label = inputs
-        text_features = self.model.encode_text()
-        logits = self.model.logits(image_features, text_features)
-        ce = F.cross_entropy(logits.float(), label)
-        kg = kg_loss(text_features, self.model.prompt_learner.t_clip)
-        loss = ce + self.cfg.TRAINER.TCP.KG_WEIGHT * kg
-        summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}
-        return loss, summary
+        t_clip = self.model.prompt_learner.t_clip
+        return self.kg_regularised_loss(inputs, t_clip, self.cfg.TRAINER.TCP.KG_WEIGHT)
