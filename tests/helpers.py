@@ -193,3 +193,14 @@ def tiny_options(trainer: str, tmp_path, depth: int) -> list[str]:
             opts += [full, write_descriptions(folder)]
             opts += ["DATALOADER.K_TRANSFORMS", "2", "INPUT.TRANSFORMS", "['randaugment']"]
     return opts
+
+
+def coop_args(root, out, tiny_clip_opts, *extra, seed="1", trainer="CoOp", flags=()):
+    """train.py arguments of a small fp32 CoOp run on the DTD layout (4 shots, tiny CLIP)."""
+    dtd = osp.join(ROOT, "configs/datasets/dtd.yaml")
+    coop = osp.join(ROOT, "configs/trainers/CoOp/vit_b16_ctxv1.yaml")
+    return [
+        "--root", root, "--seed", seed, "--trainer", trainer, "--dataset-config-file", dtd,
+        "--config-file", coop, "--output-dir", out, *flags, *tiny_clip_opts,
+        "TRAINER.COOP.PREC", "fp32", "DATASET.NUM_SHOTS", "4", *extra,
+    ]  # fmt: skip

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, make_cfg, run_train
+from helpers import coop_args
 
 from engine import build_trainer
 from engine.checkpoint import ROLLING_NAME, load_checkpoint, save_checkpoint
@@ -31,33 +32,10 @@ from engine.run_folder import NOT_EXPERIMENT_KEYS, RunFolder, experiment_config
 from engine.validate import validate_cfg
 from engine.writers import ScalarWriter
 
-DTD = osp.join(ROOT, "configs/datasets/dtd.yaml")
-COOP = osp.join(ROOT, "configs/trainers/CoOp/vit_b16_ctxv1.yaml")
 CLASSES = ["banded", "blotchy", "braided"]
 
 
-def _args(root, out, tiny_clip_opts, *extra, trainer="CoOp", flags=()):
-    return [
-        "--root",
-        root,
-        "--seed",
-        "1",
-        "--trainer",
-        trainer,
-        "--dataset-config-file",
-        DTD,
-        "--config-file",
-        COOP,
-        "--output-dir",
-        out,
-        *flags,
-        *tiny_clip_opts,
-        "TRAINER.COOP.PREC",
-        "fp32",
-        "DATASET.NUM_SHOTS",
-        "4",
-        *extra,
-    ]
+_args = coop_args  # this module's runs: helpers.coop_args
 
 
 def _popen(args):

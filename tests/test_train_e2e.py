@@ -9,36 +9,13 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, run_train
+from conftest import run_train
+from helpers import coop_args
 
 pytestmark = pytest.mark.slow
 
-DTD = osp.join(ROOT, "configs/datasets/dtd.yaml")
-COOP = osp.join(ROOT, "configs/trainers/CoOp/vit_b16_ctxv1.yaml")
 
-
-def _args(root, out, tiny_clip_opts, *extra, seed="1", flags=()):
-    return [
-        "--root",
-        root,
-        "--seed",
-        seed,
-        "--trainer",
-        "CoOp",
-        "--dataset-config-file",
-        DTD,
-        "--config-file",
-        COOP,
-        "--output-dir",
-        out,
-        *flags,
-        *tiny_clip_opts,
-        "TRAINER.COOP.PREC",
-        "fp32",
-        "DATASET.NUM_SHOTS",
-        "4",
-        *extra,
-    ]
+_args = coop_args  # this module's runs: helpers.coop_args
 
 
 def _accuracy_after(log: str, marker: str) -> float:
