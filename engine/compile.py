@@ -1,75 +1,284 @@
-"""Optional ``torch.compile`` of the prompt-dependent encoders (``MODEL.COMPILE``).
+"""``torch.compile`` of the prompt-dependent encoders (``MODEL.COMPILE``).
 
 On a GPU the text encoder of a prompt learner is launch-bound: 100 class prompts of 16 tokens
 through ViT-B/16's 12 text blocks are ~540 small kernels forward and backward. Measured on one
 H200 (fp16 CLIP, CoOp's prompts, 100 classes, forward + backward of the text encoder alone):
 19 ms eager, 9.6 ms with ``max-autotune-no-cudagraphs``, 3.0 ms with ``reduce-overhead`` (CUDA
-graphs). The option is off by default: compilation takes seconds to minutes per run, fp16
-results differ by rounding (max |difference| 8e-3 in fp16 features), and full training runs
-with it were not timed here.
+graphs).
 
-With the option off this module imports nothing of ``torch._dynamo`` (``torch.compile`` and the
-CUDA-graph step marker are reached only when it is on); torchvision 0.29 imports
-``torch._dynamo`` by itself at its own import (``torchvision.ops.roi_align``: ~2 s of a CPU
-run's start-up), which no option here avoids.
+Values:
+- ``auto`` (the default): ``reduce-overhead`` for a training run on a CUDA device, off
+  otherwise (CPU; evaluation-only runs, where the encoders run too few times to repay the
+  compilation). Compilation starts with the first training step (:meth:`compile_model` of the
+  trainer), not when the trainer is built.
+- ``""`` / ``off``: eager.
+- a ``torch.compile`` mode (``default``, ``reduce-overhead``, ``max-autotune``,
+  ``max-autotune-no-cudagraphs``) or a backend for debugging (``eager``, ``aot_eager``):
+  compiled from the trainer's construction on, evaluation-only runs included.
 
-Values: "" (off), a ``torch.compile`` mode ("default", "reduce-overhead", "max-autotune",
-"max-autotune-no-cudagraphs"), or a backend for debugging ("eager", "aot_eager").
+What a compiled encoder does (:class:`CompiledForward`, which replaces the module's ``forward``):
+- Static shapes: one graph per input signature (shapes, dtypes, grad mode, autocast). Batches
+  smaller than the configured batch (the last one of an epoch or of a test set) run eagerly
+  (:func:`eager`), so they neither trigger a compilation nor capture a CUDA graph of their own.
+- The first call of each signature is timed (compilation included; logged) and checked against
+  the eager forward on the same inputs (under ``no_grad``, with the random state forked): if
+  the outputs disagree beyond rounding (see :func:`outputs_disagree`), or compilation or any
+  later compiled call raises, the module goes back to eager for the rest of the process with a
+  warning that names the reason. A compiled step never silently changes results.
+- Compiled graphs are cached by ``torch._dynamo`` per code object, not per module: a second run
+  in the same process (``tools/grid.py`` workers) with the same shapes reuses them without
+  compiling again (``tests/test_compile.py`` counts the graphs).
+- ``reduce-overhead`` outputs live in a CUDA-graph memory pool that the next replay overwrites:
+  they are cloned, and :func:`mark_step` starts each training step and evaluation batch.
+
+With compilation off this module imports nothing of ``torch._dynamo``; torchvision 0.29 imports
+it by itself at its own import (``torchvision.ops.roi_align``: ~1 s of a CPU run's start-up),
+which no option here avoids.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
+import time
 
 import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
+AUTO = "auto"
+OFF = ("", "off")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 BACKENDS = ("eager", "aot_eager")
+CHOICES = (AUTO, *OFF, *MODES, *BACKENDS)
+GPU_MODE = "reduce-overhead"  # what ``auto`` compiles with on a CUDA device
+# graphs kept per code object (torch's default 8): a worker process running several datasets'
+# runs meets several class counts, each with training, no-grad and autocast variants
+CACHE_SIZE_LIMIT = 64
+# output agreement of the first compiled call with eager: max |compiled - eager| must stay
+# within TOLERANCE[dtype] * max |eager| (+ a tiny absolute floor); reductions in another order,
+# TF32 and fused kernels stay far inside, a wrong graph (stale buffer, wrong slice) does not
+TOLERANCE = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
+FP32_TOLERANCE = 1e-3
+
+_local = threading.local()
 
 
 def check_compile_option(value: str) -> None:
-    if value and value not in MODES + BACKENDS:
+    if value not in CHOICES:
         raise ValueError(
-            f"MODEL.COMPILE must be empty or one of {', '.join(MODES + BACKENDS)}; got {value!r}"
+            f"MODEL.COMPILE must be one of {', '.join(repr(c) for c in CHOICES)}; got {value!r} "
+            "(auto: reduce-overhead for training on a GPU, off otherwise)"
         )
 
 
-def compile_encoders(model: nn.Module, value: str) -> list[str]:
-    """Compile the ``forward`` of every text encoder and prompted vision encoder in ``model``.
-
-    Returns the names of the compiled modules.
-    """
+def resolve_compile(value: str, device_type: str) -> str:
+    """The mode (or backend) that ``MODEL.COMPILE = value`` compiles with on ``device_type``;
+    ``""`` for none. ``auto`` gives :data:`GPU_MODE` on CUDA and ``""`` elsewhere."""
     check_compile_option(value)
-    if not value:
+    if value in OFF:
+        return ""
+    if value == AUTO:
+        return GPU_MODE if device_type == "cuda" else ""
+    return value
+
+
+@contextlib.contextmanager
+def eager():
+    """Run every compiled encoder eagerly inside the block (in this thread): batches of another
+    size than the compiled ones."""
+    before = getattr(_local, "eager", False)
+    _local.eager = True
+    try:
+        yield
+    finally:
+        _local.eager = before
+
+
+def _leaves(tree) -> list:
+    return torch.utils._pytree.tree_leaves(tree)
+
+
+def signature(args: tuple, kwargs: dict) -> tuple:
+    """What selects a compiled graph: tensor shapes/dtypes/devices, grad mode and autocast."""
+    parts = []
+    for x in _leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.dtype, x.device.type, x.requires_grad))
+        else:
+            parts.append(type(x).__name__)
+    autocast = tuple(
+        torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+        for d in ("cpu", "cuda")
+    )
+    return (tuple(parts), torch.is_grad_enabled(), autocast)
+
+
+def outputs_disagree(out, ref) -> str:
+    """Why ``out`` (compiled) is not ``ref`` (eager) up to rounding; ``""`` when it is."""
+    a, b = _leaves(out), _leaves(ref)
+    if len(a) != len(b):
+        return f"{len(a)} outputs instead of {len(b)}"
+    for x, y in zip(a, b):
+        if not isinstance(y, torch.Tensor):
+            continue
+        if not isinstance(x, torch.Tensor) or x.shape != y.shape:
+            return f"output shape {getattr(x, 'shape', type(x))} instead of {tuple(y.shape)}"
+        x, y = x.detach().float(), y.detach().float()
+        if not torch.equal(torch.isfinite(x), torch.isfinite(y)):
+            return "non-finite values where eager has none (or the reverse)"
+        if not y.numel():
+            continue
+        fin = torch.isfinite(y)
+        diff = (x[fin] - y[fin]).abs().max() if fin.any() else torch.zeros(())
+        scale = y[fin].abs().max() if fin.any() else torch.zeros(())
+        tol = TOLERANCE.get(ref_dtype(ref), FP32_TOLERANCE)
+        if float(diff) > tol * float(scale) + 1e-6:
+            return f"max |compiled - eager| = {float(diff):.3g} (max |eager| {float(scale):.3g})"
+    return ""
+
+
+def ref_dtype(tree) -> torch.dtype:
+    dts = [x.dtype for x in _leaves(tree) if isinstance(x, torch.Tensor)]
+    return dts[0] if dts else torch.float32
+
+
+def _devices(args, kwargs) -> list[int]:
+    return sorted(
+        {
+            x.device.index or 0
+            for x in _leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and x.device.type == "cuda"
+        }
+    )
+
+
+def graph_count() -> int:
+    """Graphs compiled by ``torch._dynamo`` so far in this process (0 before any)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompiledForward:
+    """A module's ``forward`` compiled with ``torch.compile`` (see the module docstring).
+
+    Attributes:
+        mode: the mode or backend.
+        first_calls: signature -> seconds of its first call (compilation included).
+        fallback: why the module went back to eager ("" while compiled).
+    """
+
+    def __init__(self, name: str, forward, mode: str):
+        self.name = name
+        self.eager_forward = forward
+        self.mode = mode
+        kwargs = {"backend": mode} if mode in BACKENDS else {"mode": mode}
+        self.compiled = torch.compile(forward, dynamic=False, **kwargs)
+        self.first_calls: dict[tuple, float] = {}
+        self.fallback = ""
+
+    def __call__(self, *args, **kwargs):
+        if self.fallback or getattr(_local, "eager", False):
+            return self.eager_forward(*args, **kwargs)
+        sig = signature(args, kwargs)
+        if sig not in self.first_calls:
+            return self._first_call(sig, args, kwargs)
+        try:
+            return self._run(args, kwargs)
+        except Exception as e:  # noqa: BLE001  (any failure of the compiled path: run eagerly)
+            self._give_up(f"a compiled call raised {type(e).__name__}: {e}")
+            return self.eager_forward(*args, **kwargs)
+
+    def _run(self, args, kwargs):
+        out = self.compiled(*args, **kwargs)
+        if self.mode == "reduce-overhead":  # CUDA-graph outputs are overwritten by the next replay
+            out = torch.utils._pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out
+            )
+        return out
+
+    def _first_call(self, sig, args, kwargs):
+        graphs = graph_count()
+        start = time.perf_counter()
+        try:
+            out = self._run(args, kwargs)
+            if torch.cuda.is_available() and _devices(args, kwargs):
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            self._give_up(f"compilation failed with {type(e).__name__}: {e}")
+            return self.eager_forward(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        with torch.no_grad(), torch.random.fork_rng(devices=_devices(args, kwargs)):
+            ref = self.eager_forward(*args, **kwargs)
+        problem = outputs_disagree(out, ref)
+        if problem:
+            self._give_up(f"its output differs from eager: {problem}")
+            return self.eager_forward(*args, **kwargs)
+        self.first_calls[sig] = seconds
+        logger.info(
+            "torch.compile (%s) %s: first call %.2f s (%d new graph(s) in this process), "
+            "output equal to eager",
+            self.mode,
+            self.name,
+            seconds,
+            graph_count() - graphs,
+        )
+        return out
+
+    def _give_up(self, reason: str) -> None:
+        self.fallback = reason
+        logger.warning(
+            "torch.compile (%s) of %s: %s; it runs eagerly from now on (results are unaffected; "
+            "MODEL.COMPILE off silences this)",
+            self.mode,
+            self.name,
+            reason,
+        )
+
+
+def compile_encoders(model: nn.Module, mode: str) -> list[str]:
+    """Compile the ``forward`` of every text encoder and prompted vision encoder in ``model``
+    with ``mode`` (a resolved value, see :func:`resolve_compile`).
+
+    Returns the names of the compiled modules (already compiled ones are skipped).
+    """
+    if not mode:
         return []
+    if mode not in MODES + BACKENDS:
+        raise ValueError(f"not a torch.compile mode or backend: {mode!r}")
+    import torch._dynamo
+
     from .clip.text import TextEncoder
     from .clip.vision import PromptedVisionEncoder
 
-    kwargs = {"backend": value} if value in BACKENDS else {"mode": value}
+    torch._dynamo.config.cache_size_limit = max(
+        torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT
+    )
     compiled = []
     for name, module in model.named_modules():
-        if isinstance(module, (TextEncoder, PromptedVisionEncoder)) and not getattr(
-            module, "_compiled", False
+        if isinstance(module, (TextEncoder, PromptedVisionEncoder)) and not isinstance(
+            module.__dict__.get("forward"), CompiledForward
         ):
-            fn = torch.compile(module.forward, dynamic=False, **kwargs)
-            if value == "reduce-overhead":  # CUDA-graph outputs are reused buffers: copy them
-                fn = _cloning(fn)
-            module.forward = fn
-            module._compiled = True
-            compiled.append(name or type(module).__name__)
-    logger.info("torch.compile (%s): %s", value, ", ".join(compiled) or "no encoder found")
+            label = name or type(module).__name__
+            module.forward = CompiledForward(label, module.forward, mode)
+            compiled.append(label)
+    logger.info("torch.compile (%s): %s", mode, ", ".join(compiled) or "no encoder found")
     return compiled
 
 
-def _cloning(fn):
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs).clone()
-
-    return call
+def compiled_forwards(model: nn.Module) -> dict[str, CompiledForward]:
+    """The compiled forwards of ``model``'s modules, by module name."""
+    return {
+        name or type(m).__name__: m.__dict__["forward"]
+        for name, m in model.named_modules()
+        if isinstance(m.__dict__.get("forward"), CompiledForward)
+    }
 
 
 def mark_step() -> None:

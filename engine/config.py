@@ -111,9 +111,10 @@ _C.MODEL.BACKBONE.PRETRAINED = True  # False: random weights (tests and debuggin
 # ~/.cache/clip/<name>.pt, then open_clip's local cache. Nothing is ever downloaded.
 _C.MODEL.BACKBONE.PATH = ""
 _C.MODEL.BACKBONE.CONFIG = ""  # path to an open_clip model-config JSON (custom/tiny architectures)
-# torch.compile the prompt-dependent encoders: "" (off) | default | reduce-overhead |
+# torch.compile the prompt-dependent encoders: auto (reduce-overhead when training on a GPU,
+# off on CPU and for evaluation-only runs) | "" or off | default | reduce-overhead |
 # max-autotune | max-autotune-no-cudagraphs | eager | aot_eager (see engine/compile.py)
-_C.MODEL.COMPILE = ""
+_C.MODEL.COMPILE = "auto"
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

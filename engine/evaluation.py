@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .compile import mark_step
 from .feature_cache import (
     FeatureCache,
     cache_key,
@@ -64,22 +63,23 @@ class EvaluationMixin:
         logger.info("Evaluate on the *%s* set", split)
         encoder = self.frozen_image_encoder()
         nonfinite = []  # per batch: number of images with a non-finite logit (0-d tensors)
-        self.before_test()
+        with self.compiled_batch(1, 1):
+            self.before_test()
         try:
             if encoder is not None:
                 features, labels = self._eval_features(encoder, loader, split)
                 step = loader.batch_size or 100
                 for i in range(0, len(labels), step):
-                    if self.cfg.MODEL.COMPILE:
-                        mark_step()
-                    with self.autocast():
-                        output = self.model_inference_features(features[i : i + step])
+                    chunk = features[i : i + step]
+                    with self.compiled_batch(len(chunk), step), self.autocast():
+                        output = self.model_inference_features(chunk)
                     nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), labels[i : i + step])
             else:
                 for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
                     input, label = self.parse_batch_test(batch)
-                    with self.autocast():
+                    full = loader.batch_size or len(label)
+                    with self.compiled_batch(len(label), full), self.autocast():
                         output = self.model_inference(input)
                     nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), label)

@@ -40,7 +40,7 @@ from optim.staging import total_epochs
 from optim.step import build_step
 
 from .checkpoint import CheckpointMixin
-from .compile import check_compile_option, compile_encoders, mark_step
+from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
 from .data import DataManager
 from .errors import ConfigError
 from .evaluation import EvaluationMixin, compute_dtype
@@ -61,6 +61,13 @@ _DASSL_STEP_HINT = (
     "gradients) and compute_loss(inputs) (the loss) in the trainer, and the engine's "
     "forward_backward runs backward, the optimizer (sharpness-aware or not), AMP and staging"
 )
+
+
+def _batch_len(batch) -> int:
+    """Items in a training batch (its labels); a huge number when it has none, i.e. the batch
+    counts as full."""
+    label = batch.get("label") if isinstance(batch, dict) else None
+    return len(label) if label is not None else 1 << 62
 
 
 def _scalar_row_before(row: dict, start_iter: int, start_epoch: int) -> bool:
@@ -302,19 +309,37 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.finite = FiniteWatch()  # NaN/inf losses and parameters, checked at PRINT_FREQ
         if cfg.SEED >= 0:  # the same seed gives the same model (e.g. random prompt init) in-process
             set_random_seed(cfg.SEED)
-        check_compile_option(cfg.MODEL.COMPILE)
+        self.compile_mode = resolve_compile(cfg.MODEL.COMPILE, self.device.type)
+        self.compiled_modules: list[str] = []
         if classnames is None:
             self.build_data_loader()
         else:
             self.set_classnames(classnames)
         self.build_model()
-        if cfg.MODEL.COMPILE and isinstance(getattr(self, "model", None), nn.Module):
-            compile_encoders(self.model, cfg.MODEL.COMPILE)
+        if cfg.MODEL.COMPILE != AUTO:  # an explicit mode: evaluation-only runs compile too
+            self.compile_model()
         self.optim_step = build_step(
             cfg, list(self._optims.values()), precision=self.prec, device_type=self.device.type
         )
         self.evaluator = build_evaluator(cfg, lab2cname=self.lab2cname)
         self.best_result = -float("inf")
+
+    def compile_model(self) -> list[str]:
+        """Compile the prompt-dependent encoders with the resolved ``MODEL.COMPILE`` mode
+        (engine.compile; ``auto`` compiles when training starts). Idempotent; returns the names of
+        the compiled modules."""
+        model = getattr(self, "model", None)
+        if self.compile_mode and not self.compiled_modules and isinstance(model, nn.Module):
+            self.compiled_modules = compile_encoders(model, self.compile_mode) or ["-"]
+        return [n for n in self.compiled_modules if n != "-"]
+
+    def compiled_batch(self, n: int, full: int):
+        """A context for a batch of ``n`` items where the compiled encoders take ``full``: a
+        smaller batch (the last of an epoch or test set) runs eagerly, outside the graphs."""
+        if not self.compiled_modules:
+            return nullcontext()
+        mark_step()
+        return eager() if n < full else nullcontext()
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -391,6 +416,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if self.dm is None:
             raise RuntimeError("This trainer was built from class names only: it has no data")
         self.optim_step.check(self.cfg.OPTIM.SAM.NAME, self.max_epoch)
+        self.compile_model()
         directory = self.cfg.RESUME or self.cfg.OUTPUT_DIR
         self.start_epoch = self.resume_model_if_exist(directory)
         dm = getattr(self, "dm", None)
@@ -494,13 +520,12 @@ class TrainerX(SimpleTrainer):
 
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
-        if self.cfg.MODEL.COMPILE:
-            mark_step()
-        parsed = self.parse_batch_train(batch)
-        with torch.no_grad(), self.autocast():
-            inputs = self.prepare_step(parsed)
-        loss, summary = self._loss(inputs)
-        stats = self.optim_step(loss, lambda: self._loss(inputs)[0], self.epoch)
+        with self.compiled_batch(_batch_len(batch), self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
+            parsed = self.parse_batch_train(batch)
+            with torch.no_grad(), self.autocast():
+                inputs = self.prepare_step(parsed)
+            loss, summary = self._loss(inputs)
+            stats = self.optim_step(loss, lambda: self._loss(inputs)[0], self.epoch)
         self.finite.record(self.epoch, self.batch_idx, loss, summary)
         out = {"loss": loss.detach(), **summary}
         out.update(stats)

@@ -40,6 +40,7 @@ def test_evaluation_seconds_encode_text_once_or_per_batch():
 def test_small_run_writes_every_key(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--small", "--steps", "1", "--warmup", "0", "--optims", "sgd,sample"]
+    args += ["--compile", "aot_eager"]  # the compiled default of a GPU, as CPU can trace it
     args += ["--trainers", "CoOp,MaPLe,NoSuchTrainer", "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, osp.join(ROOT, "tools", "benchmark.py"), *args],
@@ -51,11 +52,17 @@ def test_small_run_writes_every_key(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NoSuchTrainer is not registered: skipped" in proc.stderr
     result = json.loads(out.read_text())
-    assert set(result) == {*TARGETS, "rows", "device"}
+    info = {"loader_images_per_s", "step_demand_images_per_s"}
+    assert set(result) == {*TARGETS, *info, "rows", "device"}
     assert result["device"].startswith("cpu:")
     for key in TARGETS:
-        assert math.isfinite(result[key]) and result[key] > 0, key
         assert key in proc.stdout  # the report names every target
+        if key == "coop_sgd_step_ms":  # a GPU target
+            assert result[key] is None
+            continue
+        assert math.isfinite(result[key]) and result[key] > 0, key
+    demand = result["step_demand_images_per_s"]
+    assert result["loader_over_step_demand"] == result["loader_images_per_s"] / demand
     rows = result["rows"]
     assert [(r["trainer"], r["optimizer"]) for r in rows] == [
         ("CoOp", "sgd"), ("CoOp", "sample"), ("MaPLe", "sgd"), ("MaPLe", "sample")
@@ -64,4 +71,6 @@ def test_small_run_writes_every_key(tmp_path):
         assert r["prec"] == "fp32" and r["text_tokens"] < r["ref_text_tokens"] == 77
         assert r["step_ms"] > 0 and r["ref_step_ms"] > 0 and r["eval_images_per_s"] > 0
         assert r["peak_mem_mb"] is None  # CPU: not measured
+        assert r["compile"] == "aot_eager" and r["eager_step_ms"] > 0 and not r["compile_fallback"]
+    assert rows[0]["compile_s"] > 0  # the first compiled row pays the compilation
     assert rows[0]["batch"] == 32 and rows[2]["batch"] == 4 and rows[2]["depth"] == 9

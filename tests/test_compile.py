@@ -1,66 +1,219 @@
-"""MODEL.COMPILE: compiled encoders give the results of the eager ones (CPU: aot_eager backend,
-which traces with dynamo and AOT autograd as the GPU modes do, without code generation)."""
+"""MODEL.COMPILE: compiled encoders give the results of the eager ones.
+
+CPU: the ``aot_eager`` backend traces with dynamo and AOT autograd as the GPU modes do, without
+code generation; one test also runs inductor's CPU code generation (skipped without a C++
+compiler). The GPU default (``auto`` -> reduce-overhead) is resolved by device and checked at its
+first call against eager by the same code that these tests drive (engine/compile.py).
+"""
 
 from __future__ import annotations
+
+import logging
+import shutil
 
 import pytest
 import torch
 from conftest import make_cfg
+from helpers import DEPTH, tiny_options
 
+import engine.compile as ec
+import engine.trainer as et
 from engine import build_trainer
-from engine.clip.toy import TINY_CLIP_CONFIG, write_tiny_clip
-from engine.compile import check_compile_option
+from engine.registry import TRAINER_REGISTRY
+
+TRAINABLE = sorted(
+    n
+    for n, cls in ((n, TRAINER_REGISTRY.get(n)) for n in TRAINER_REGISTRY)
+    if not cls.EVAL_ONLY and not getattr(cls, "ALIAS_OF", "")
+)
+STEPS = 3  # full batches of 4 (7 classes x 2 shots = 14 images: 3 full + 1 partial)
 
 
-@pytest.fixture(scope="module")
-def deep_clip_opts(tmp_path_factory):
-    import copy
-
-    from engine.clip.toy import TINY_OPTS
-
-    config = copy.deepcopy(TINY_CLIP_CONFIG)
-    config["text_cfg"]["layers"] = config["vision_cfg"]["layers"] = 3
-    cfg_path, ckpt = write_tiny_clip(str(tmp_path_factory.mktemp("deep")), config)
-    return ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path,
-            "MODEL.BACKBONE.PATH", ckpt, *TINY_OPTS]  # fmt: skip
+def trainer_cfg(trainer, tmp_path, root, deep_opts, mode, sam="sample", *extra):
+    node = TRAINER_REGISTRY.get(trainer).config_node()
+    opts = ["--root", root, "--seed", "1", "--output-dir", str(tmp_path / f"out_{mode}_{sam}")]
+    opts += [*deep_opts, *tiny_options(trainer, tmp_path, DEPTH), f"TRAINER.{node}.PREC", "fp32"]
+    opts += ["OPTIM.SAM.NAME", sam, "OPTIM.SAM.START_EPOCH", "0", "OPTIM.MAX_EPOCH", "1"]
+    opts += ["DATASET.NUM_SHOTS", "2", "DATALOADER.TRAIN_X.BATCH_SIZE", "4"]
+    opts += ["DATALOADER.TEST.BATCH_SIZE", "8", "TEST.FEATURE_CACHE", "False"]
+    opts += ["MODEL.COMPILE", mode, *extra]
+    return make_cfg(opts, trainer=trainer)
 
 
-EXTRA = {
-    "CoOp": ["TRAINER.COOP.PREC", "fp32", "TRAINER.COOP.N_CTX", "4"],
-    "TCP": ["TRAINER.TCP.PREC", "fp32", "TRAINER.TCP.INJECT_LAYER", "1"],
-    "MaPLe": ["TRAINER.MAPLE.PREC", "fp32", "TRAINER.MAPLE.PROMPT_DEPTH", "2"],
-}
+def train_steps(tr, steps: int = STEPS) -> list[float]:
+    tr.set_model_mode("train")
+    losses = []
+    for i, batch in zip(range(steps), tr.train_loader_x):
+        tr.batch_idx = i
+        losses.append(float(tr.forward_backward(batch)["loss"]))
+    return losses
+
+
+def learnable(tr) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in tr.model.parameters() if p.requires_grad]
+
+
+def assert_compiled_and_used(tr) -> None:
+    """The compiled path really ran: no fallback, at least one compiled signature."""
+    forwards = ec.compiled_forwards(tr.model)
+    assert forwards, "no encoder was compiled"
+    for name, fwd in forwards.items():
+        assert not fwd.fallback, (name, fwd.fallback)
+    assert any(f.first_calls for f in forwards.values())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", sorted(EXTRA))
-def test_compiled_step_and_evaluation_match_eager(trainer, tmp_path, dtd_root, deep_clip_opts):
+@pytest.mark.parametrize("sam", ["", "sample"], ids=["base", "sample"])
+@pytest.mark.parametrize("trainer", TRAINABLE)
+def test_compiled_steps_and_evaluation_match_eager(trainer, sam, tmp_path, dtd_root, deep_opts):
+    """Every registered trainer x {its base optimizer, SAMPLe}: losses and parameters after
+    three steps and the test accuracy, compiled (aot_eager) vs eager."""
     results = {}
-    for mode in ("", "aot_eager"):
-        cfg = make_cfg(
-            ["--root", dtd_root, "--seed", "1", "--output-dir", str(tmp_path / (mode or "eager")),
-             *deep_clip_opts, *EXTRA[trainer], "OPTIM.NAME", "sgd", "OPTIM.LR", "0.01",
-             "OPTIM.SAM.NAME", "sample", "DATASET.NUM_SHOTS", "2", "MODEL.COMPILE", mode,
-             "TEST.FEATURE_CACHE", "False"],
-            trainer=trainer,
-        )  # fmt: skip
-        tr = build_trainer(cfg)
-        compiled = [n for n, m in tr.model.named_modules() if getattr(m, "_compiled", False)]
-        assert bool(compiled) == bool(mode), compiled
-        batch = next(iter(tr.train_loader_x))
-        tr.batch_idx = 0
-        out = tr.forward_backward(batch)
-        params = [p.detach().clone() for p in tr.get_model(tr.get_model_names()[0]).parameters()]
+    for mode in ("off", "aot_eager"):
+        tr = build_trainer(trainer_cfg(trainer, tmp_path, dtd_root, deep_opts, mode, sam))
+        assert bool(tr.compile_model()) == (mode != "off")
+        losses = train_steps(tr)
+        params = learnable(tr)
         acc = tr.test()
-        results[mode] = (float(out["loss"]), params, acc)
-    (l1, p1, a1), (l2, p2, a2) = results[""], results["aot_eager"]
-    assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6) and a1 == a2
-    for x, y in zip(p1, p2):
-        assert torch.allclose(x, y, atol=1e-6)
+        if mode != "off":
+            assert_compiled_and_used(tr)
+        results[mode] = (losses, params, acc)
+        tr.close_writer()
+    (l1, p1, a1), (l2, p2, a2) = results["off"], results["aot_eager"]
+    assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6)
+    assert a1 == a2
+    for x, y in zip(p1, p2, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_partial_batches_run_eagerly(tmp_path, dtd_root, deep_opts):
+    """The last, smaller batch of an epoch and of the test set never gets a graph of its own:
+    every compiled signature of MaPLe's image encoder has the full batch."""
+    tr = build_trainer(trainer_cfg("MaPLe", tmp_path, dtd_root, deep_opts, "aot_eager"))
+    train_steps(tr, steps=len(tr.train_loader_x))  # 3 full batches + 1 of 2 images
+    tr.test()
+    forwards = ec.compiled_forwards(tr.model)
+    image = forwards["image_encoder"]
+    batches = {sig[0][0][0][0] for sig in image.first_calls}  # first input's leading dim
+    assert batches == {4, 8}, batches  # the training batch and the test batch, nothing else
+    assert not image.fallback
+
+
+def test_auto_is_off_on_cpu_and_compiles_when_training_starts(
+    tmp_path, dtd_root, deep_opts, monkeypatch
+):
+    assert ec.resolve_compile("auto", "cpu") == ""
+    assert ec.resolve_compile("auto", "cuda") == ec.GPU_MODE == "reduce-overhead"
+    assert ec.resolve_compile("off", "cuda") == ec.resolve_compile("", "cuda") == ""
+    assert ec.resolve_compile("aot_eager", "cpu") == "aot_eager"
+    assert make_cfg([]).MODEL.COMPILE == "auto"
+    tr = build_trainer(trainer_cfg("CoOp", tmp_path, dtd_root, deep_opts, "auto"))
+    assert tr.compile_mode == "" and tr.compile_model() == []
+    # on a GPU ``auto`` resolves to a mode; here a CPU backend stands in for it: nothing is
+    # compiled when the trainer is built (an evaluation-only run stays eager), training compiles
+    resolve = ec.resolve_compile
+    monkeypatch.setattr(et, "resolve_compile", lambda v, d: "aot_eager" if v == "auto" else "")
+    marks = []
+    monkeypatch.setattr(et, "mark_step", lambda: marks.append(1))
+    tr = build_trainer(trainer_cfg("CoOp", tmp_path, dtd_root, deep_opts, "auto"))
+    assert tr.compile_mode == "aot_eager" and not ec.compiled_forwards(tr.model)
+    tr.train()
+    assert_compiled_and_used(tr)
+    assert len(marks) >= len(tr.train_loader_x)  # a CUDA-graph step mark per training step
+    monkeypatch.setattr(et, "resolve_compile", resolve)
+
+
+def test_graphs_are_reused_by_the_next_run_in_the_process(tmp_path, dtd_root, deep_opts):
+    """A second trainer (a packed grid worker's next run) with the same shapes compiles
+    nothing: dynamo caches per code object, with the parameters as graph inputs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    counts = []
+    for seed in ("1", "2"):
+        cfg = trainer_cfg("CoOp", tmp_path / seed, dtd_root, deep_opts, "aot_eager", "sample")
+        cfg.defrost()
+        cfg.SEED = int(seed)
+        tr = build_trainer(cfg)
+        before = ec.graph_count()
+        train_steps(tr)
+        assert_compiled_and_used(tr)
+        counts.append(ec.graph_count() - before)
+    assert counts[0] > 0 and counts[1] == 0, counts
+
+
+def test_a_failing_or_wrong_compiled_forward_falls_back_to_eager(caplog):
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(5, 3)
+
+    def wrong(*args):
+        return lin(*args) + 1.0
+
+    def broken(*args):
+        raise RuntimeError("backend exploded")
+
+    for fake, reason in ((wrong, "differs from eager"), (broken, "compilation failed")):
+        fwd = ec.CompiledForward("toy", lin.forward, "aot_eager")
+        fwd.compiled = fake
+        with caplog.at_level(logging.WARNING, logger="engine.compile"):
+            out = fwd(x)
+        torch.testing.assert_close(out, lin(x))  # the eager result, with its graph
+        assert out.requires_grad
+        assert reason in fwd.fallback and reason in caplog.text
+        assert fwd(x).equal(lin(x))  # eager from now on
+    # a later failure (after a good first call) also ends in eager
+    fwd = ec.CompiledForward("toy", lin.forward, "aot_eager")
+    assert fwd(x).equal(lin(x)) and not fwd.fallback
+    fwd.compiled = broken
+    assert fwd(x).equal(lin(x)) and "raised RuntimeError" in fwd.fallback
+
+
+def test_outputs_disagree():
+    y = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
+    assert ec.outputs_disagree(y + 1e-5, y) == ""
+    assert "max |compiled - eager|" in ec.outputs_disagree(y + 0.1, y)
+    assert "shape" in ec.outputs_disagree(y[:1], y)
+    assert "non-finite" in ec.outputs_disagree(y.clone().fill_(float("nan")), y)
+    assert "outputs" in ec.outputs_disagree((y, y), (y,))
+    half = y.half()
+    assert ec.outputs_disagree(half + 0.05, half) == ""  # fp16 rounding scale
+    assert ec.outputs_disagree(half + 0.5, half) != ""
+
+
+def test_eager_context_and_signature():
+    calls = []
+    fwd = ec.CompiledForward("toy", lambda x: x * 2, "aot_eager")
+    fwd.compiled = lambda x: calls.append(x.shape) or x * 2
+    fwd(torch.ones(4))
+    with ec.eager():
+        fwd(torch.ones(3))
+    assert calls == [torch.Size([4])] and len(fwd.first_calls) == 1
+    a = ec.signature((torch.ones(2, 3),), {})
+    with torch.no_grad():
+        assert ec.signature((torch.ones(2, 3),), {}) != a
+    assert ec.signature((torch.ones(2, 4),), {}) != a
 
 
 def test_bad_compile_value():
-    with pytest.raises(ValueError, match="MODEL.COMPILE must be empty or one of"):
-        check_compile_option("fast")
+    with pytest.raises(ValueError, match="MODEL.COMPILE must be one of"):
+        ec.check_compile_option("fast")
     cfg = make_cfg(["MODEL.COMPILE", "fast"])
-    assert cfg.MODEL.COMPILE == "fast"  # a string key; the trainer rejects the value
+    with pytest.raises(ValueError, match="MODEL.COMPILE must be one of"):
+        ec.resolve_compile(cfg.MODEL.COMPILE, "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
+def test_inductor_code_generation_matches_eager(tmp_path, dtd_root, deep_opts):
+    """The GPU modes' compiler (inductor, generated kernels) on CPU: CoOp + SAMPLe."""
+    results = {}
+    for mode in ("off", "default"):
+        tr = build_trainer(trainer_cfg("CoOp", tmp_path, dtd_root, deep_opts, mode, "sample"))
+        losses = train_steps(tr)
+        if mode != "off":
+            assert_compiled_and_used(tr)
+        results[mode] = (losses, learnable(tr))
+    (l1, p1), (l2, p2) = results["off"], results["default"]
+    assert l1 == pytest.approx(l2, rel=1e-4, abs=1e-5)
+    for x, y in zip(p1, p2, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
