@@ -7,10 +7,11 @@ H200 (fp16 CLIP, CoOp's prompts, 100 classes, forward + backward of the text enc
 graphs).
 
 Values:
-- ``auto`` (the default): ``reduce-overhead`` for a training run on a CUDA device, off
-  otherwise (CPU; evaluation-only runs, where the encoders run too few times to repay the
-  compilation). Compilation starts with the first training step (:meth:`compile_model` of the
-  trainer), not when the trainer is built.
+- ``auto`` (the default): ``reduce-overhead`` for the training steps of a run on a CUDA
+  device, off otherwise: on CPU, in evaluation-only runs and in the evaluations of a training
+  run, where the encoders run too few times (a test set is a few to a few hundred batches) to
+  repay compiling their no-grad graphs. Compilation starts with the first training step
+  (:meth:`compile_model` of the trainer), not when the trainer is built.
 - ``""`` / ``off``: eager.
 - a ``torch.compile`` mode (``default``, ``reduce-overhead``, ``max-autotune``,
   ``max-autotune-no-cudagraphs``) or a backend for debugging (``eager``, ``aot_eager``):
@@ -20,11 +21,13 @@ What a compiled encoder does (:class:`CompiledForward`, which replaces the modul
 - Static shapes: one graph per input signature (shapes, dtypes, grad mode, autocast). Batches
   smaller than the configured batch (the last one of an epoch or of a test set) run eagerly
   (:func:`eager`), so they neither trigger a compilation nor capture a CUDA graph of their own.
-- The first call of each signature is timed (compilation included; logged) and checked against
-  the eager forward on the same inputs (under ``no_grad``, with the random state forked): if
-  the outputs disagree beyond rounding (see :func:`outputs_disagree`), or compilation or any
-  later compiled call raises, the module goes back to eager for the rest of the process with a
-  warning that names the reason. A compiled step never silently changes results.
+- The first call of each signature is timed (compilation included; logged), and the first
+  :data:`CHECKED_CALLS` calls (CUDA graphs are recorded at the second call and replayed from the
+  third) are checked against the eager forward on the same inputs (under ``no_grad``, with the
+  random state forked): if the outputs disagree beyond rounding (see :func:`outputs_disagree`),
+  or compilation or any later compiled call raises, the module goes back to eager for the rest
+  of the process with a warning that names the reason. A compiled step never silently changes
+  results.
 - Compiled graphs are cached by ``torch._dynamo`` per code object, not per module: a second run
   in the same process (``tools/grid.py`` workers) with the same shapes reuses them without
   compiling again (``tests/test_compile.py`` counts the graphs).
@@ -63,6 +66,7 @@ CACHE_SIZE_LIMIT = 64
 # TF32 and fused kernels stay far inside, a wrong graph (stale buffer, wrong slice) does not
 TOLERANCE = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 FP32_TOLERANCE = 1e-3
+CHECKED_CALLS = 3  # per signature: warm-up run, CUDA-graph recording, first replay
 
 _local = threading.local()
 
@@ -171,6 +175,7 @@ class CompiledForward:
     Attributes:
         mode: the mode or backend.
         first_calls: signature -> seconds of its first call (compilation included).
+        checks_left: signature -> calls still to check against eager.
         fallback: why the module went back to eager ("" while compiled).
     """
 
@@ -181,14 +186,15 @@ class CompiledForward:
         kwargs = {"backend": mode} if mode in BACKENDS else {"mode": mode}
         self.compiled = torch.compile(forward, dynamic=False, **kwargs)
         self.first_calls: dict[tuple, float] = {}
+        self.checks_left: dict[tuple, int] = {}
         self.fallback = ""
 
     def __call__(self, *args, **kwargs):
         if self.fallback or getattr(_local, "eager", False):
             return self.eager_forward(*args, **kwargs)
         sig = signature(args, kwargs)
-        if sig not in self.first_calls:
-            return self._first_call(sig, args, kwargs)
+        if self.checks_left.get(sig, CHECKED_CALLS):
+            return self._checked_call(sig, args, kwargs)
         try:
             return self._run(args, kwargs)
         except Exception as e:  # noqa: BLE001  (any failure of the compiled path: run eagerly)
@@ -203,7 +209,8 @@ class CompiledForward:
             )
         return out
 
-    def _first_call(self, sig, args, kwargs):
+    def _checked_call(self, sig, args, kwargs):
+        first = sig not in self.first_calls
         graphs = graph_count()
         start = time.perf_counter()
         try:
@@ -211,7 +218,8 @@ class CompiledForward:
             if torch.cuda.is_available() and _devices(args, kwargs):
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
-            self._give_up(f"compilation failed with {type(e).__name__}: {e}")
+            what = "compilation failed with" if first else "a compiled call raised"
+            self._give_up(f"{what} {type(e).__name__}: {e}")
             return self.eager_forward(*args, **kwargs)
         seconds = time.perf_counter() - start
         with torch.no_grad(), torch.random.fork_rng(devices=_devices(args, kwargs)):
@@ -220,6 +228,9 @@ class CompiledForward:
         if problem:
             self._give_up(f"its output differs from eager: {problem}")
             return self.eager_forward(*args, **kwargs)
+        self.checks_left[sig] = self.checks_left.get(sig, CHECKED_CALLS) - 1
+        if not first:
+            return out
         self.first_calls[sig] = seconds
         logger.info(
             "torch.compile (%s) %s: first call %.2f s (%d new graph(s) in this process), "

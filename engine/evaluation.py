@@ -63,7 +63,7 @@ class EvaluationMixin:
         logger.info("Evaluate on the *%s* set", split)
         encoder = self.frozen_image_encoder()
         nonfinite = []  # per batch: number of images with a non-finite logit (0-d tensors)
-        with self.compiled_batch(1, 1):
+        with self.compiled_batch(1, 1, training=False):
             self.before_test()
         try:
             if encoder is not None:
@@ -71,7 +71,7 @@ class EvaluationMixin:
                 step = loader.batch_size or 100
                 for i in range(0, len(labels), step):
                     chunk = features[i : i + step]
-                    with self.compiled_batch(len(chunk), step), self.autocast():
+                    with self.compiled_batch(len(chunk), step, training=False), self.autocast():
                         output = self.model_inference_features(chunk)
                     nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), labels[i : i + step])
@@ -79,7 +79,7 @@ class EvaluationMixin:
                 for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
                     input, label = self.parse_batch_test(batch)
                     full = loader.batch_size or len(label)
-                    with self.compiled_batch(len(label), full), self.autocast():
+                    with self.compiled_batch(len(label), full, training=False), self.autocast():
                         output = self.model_inference(input)
                     nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), label)

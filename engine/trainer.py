@@ -333,13 +333,16 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             self.compiled_modules = compile_encoders(model, self.compile_mode) or ["-"]
         return [n for n in self.compiled_modules if n != "-"]
 
-    def compiled_batch(self, n: int, full: int):
+    def compiled_batch(self, n: int, full: int, training: bool = True):
         """A context for a batch of ``n`` items where the compiled encoders take ``full``: a
-        smaller batch (the last of an epoch or test set) runs eagerly, outside the graphs."""
+        smaller batch (the last of an epoch or test set) runs eagerly, outside the graphs. With
+        ``MODEL.COMPILE auto`` evaluation (``training`` False) runs eagerly too: an evaluation
+        calls the encoders too few times to repay compiling its no-grad graphs."""
         if not self.compiled_modules:
             return nullcontext()
         mark_step()
-        return eager() if n < full else nullcontext()
+        auto_eval = not training and self.cfg.MODEL.COMPILE == AUTO
+        return eager() if n < full or auto_eval else nullcontext()
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:

@@ -117,8 +117,10 @@ def test_auto_is_off_on_cpu_and_compiles_when_training_starts(
     monkeypatch.setattr(et, "mark_step", lambda: marks.append(1))
     tr = build_trainer(trainer_cfg("CoOp", tmp_path, dtd_root, deep_opts, "auto"))
     assert tr.compile_mode == "aot_eager" and not ec.compiled_forwards(tr.model)
-    tr.train()
+    tr.train()  # one epoch, then the evaluation of the test set
     assert_compiled_and_used(tr)
+    sigs = [sig for f in ec.compiled_forwards(tr.model).values() for sig in f.first_calls]
+    assert sigs and all(grad for _, grad, _ in sigs)  # auto: evaluation (no grad) ran eagerly
     assert len(marks) >= len(tr.train_loader_x)  # a CUDA-graph step mark per training step
     monkeypatch.setattr(et, "resolve_compile", resolve)
 
@@ -161,9 +163,17 @@ def test_a_failing_or_wrong_compiled_forward_falls_back_to_eager(caplog):
         assert out.requires_grad
         assert reason in fwd.fallback and reason in caplog.text
         assert fwd(x).equal(lin(x))  # eager from now on
-    # a later failure (after a good first call) also ends in eager
+    # a wrong replay (e.g. a CUDA graph reading a stale buffer) within the checked calls
     fwd = ec.CompiledForward("toy", lin.forward, "aot_eager")
-    assert fwd(x).equal(lin(x)) and not fwd.fallback
+    replies = iter([lin(x), lin(x) * 0])
+    fwd.compiled = lambda *a: next(replies)
+    assert fwd(x).equal(lin(x)) and fwd(x).equal(lin(x))
+    assert "differs from eager" in fwd.fallback
+    # a later failure (after the checked calls) also ends in eager
+    fwd = ec.CompiledForward("toy", lin.forward, "aot_eager")
+    for _ in range(ec.CHECKED_CALLS + 1):
+        assert fwd(x).equal(lin(x)) and not fwd.fallback
+    assert fwd.checks_left == {ec.signature((x,), {}): 0}
     fwd.compiled = broken
     assert fwd(x).equal(lin(x)) and "raised RuntimeError" in fwd.fallback
 
