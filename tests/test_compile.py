@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import DEPTH, tiny_options
+from helpers import DEPTH, coop_args, tiny_options
 
 import engine.compile as ec
 import engine.trainer as et
@@ -142,6 +142,28 @@ def test_graphs_are_reused_by_the_next_run_in_the_process(tmp_path, dtd_root, de
         assert_compiled_and_used(tr)
         counts.append(ec.graph_count() - before)
     assert counts[0] > 0 and counts[1] == 0, counts
+
+
+def test_a_packed_worker_compiles_once_for_its_runs(tmp_path, dtd_root, tiny_clip_opts):
+    """Two train.py runs in one process (a tools/grid.py worker): the second run's log shows
+    its compiled calls checked against eager and no new graph."""
+    import re
+
+    import torch._dynamo
+
+    from engine.runner import run_in_process
+
+    torch._dynamo.reset()
+    new_graphs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"seed{seed}"
+        opts = ["MODEL.COMPILE", "aot_eager", "OPTIM.MAX_EPOCH", "1", "DATALOADER.NUM_WORKERS", "0"]
+        assert run_in_process(coop_args(dtd_root, str(out), tiny_clip_opts, *opts, seed=seed)) == 0
+        log = (out / "log.txt").read_text()
+        found = re.findall(r"torch\.compile \(aot_eager\) .*: first call .* \((\d+) new graph", log)
+        assert found and "output equal to eager" in log, log[-2000:]
+        new_graphs.append(sum(map(int, found)))
+    assert new_graphs[0] > 0 and new_graphs[1] == 0, new_graphs
 
 
 def test_a_failing_or_wrong_compiled_forward_falls_back_to_eager(caplog):
