@@ -1,10 +1,12 @@
 """``torch.compile`` of the prompt-dependent encoders (``MODEL.COMPILE``).
 
-On a GPU the text encoder of a prompt learner is launch-bound: 100 class prompts of 16 tokens
-through ViT-B/16's 12 text blocks are ~540 small kernels forward and backward. Measured on one
-H200 (fp16 CLIP, CoOp's prompts, 100 classes, forward + backward of the text encoder alone):
-19 ms eager, 9.6 ms with ``max-autotune-no-cudagraphs``, 3.0 ms with ``reduce-overhead`` (CUDA
-graphs).
+Compiled: the text encoder, the prompted vision encoder and CLIP's image tower (open_clip's
+``VisionTransformer`` / ``ModifiedResNet``, frozen in CoOp-style trainers but run on every
+training batch). On a GPU the text encoder of a prompt learner is launch-bound: 100 class
+prompts of 16 tokens through ViT-B/16's 12 text blocks are ~540 small kernels forward and
+backward. Measured on one H200 (fp16 CLIP, CoOp's prompts, 100 classes, forward + backward of
+the text encoder alone): 19 ms eager, 9.6 ms with ``max-autotune-no-cudagraphs``, 3.0 ms with
+``reduce-overhead`` (CUDA graphs).
 
 Values:
 - ``auto`` (the default): ``reduce-overhead`` for the training steps of a run on a CUDA
@@ -253,9 +255,21 @@ class CompiledForward:
         )
 
 
+def _encoder_types() -> tuple[type, ...]:
+    """The modules whose ``forward`` is compiled: the prompt-dependent encoders and CLIP's image
+    tower (frozen in CoOp-style trainers, whose training steps encode every batch with it)."""
+    from open_clip.modified_resnet import ModifiedResNet
+    from open_clip.transformer import VisionTransformer
+
+    from .clip.text import TextEncoder
+    from .clip.vision import PromptedVisionEncoder
+
+    return (TextEncoder, PromptedVisionEncoder, VisionTransformer, ModifiedResNet)
+
+
 def compile_encoders(model: nn.Module, mode: str) -> list[str]:
-    """Compile the ``forward`` of every text encoder and prompted vision encoder in ``model``
-    with ``mode`` (a resolved value, see :func:`resolve_compile`).
+    """Compile the ``forward`` of every text encoder, prompted vision encoder and CLIP image
+    tower in ``model`` with ``mode`` (a resolved value, see :func:`resolve_compile`).
 
     Returns the names of the compiled modules (already compiled ones are skipped).
     """
@@ -265,15 +279,13 @@ def compile_encoders(model: nn.Module, mode: str) -> list[str]:
         raise ValueError(f"not a torch.compile mode or backend: {mode!r}")
     import torch._dynamo
 
-    from .clip.text import TextEncoder
-    from .clip.vision import PromptedVisionEncoder
-
+    types = _encoder_types()
     torch._dynamo.config.cache_size_limit = max(
         torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT
     )
     compiled = []
     for name, module in model.named_modules():
-        if isinstance(module, (TextEncoder, PromptedVisionEncoder)) and not isinstance(
+        if isinstance(module, types) and not isinstance(
             module.__dict__.get("forward"), CompiledForward
         ):
             label = name or type(module).__name__

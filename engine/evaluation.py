@@ -110,8 +110,11 @@ class EvaluationMixin:
         cfg = self.cfg
         dtype = compute_dtype(encoder)
 
+        full = loader.batch_size
+
         def encode(images):
-            return encoder(images.to(dtype))
+            with self.compiled_batch(len(images), full or len(images), training=False):
+                return encoder(images.to(dtype))
 
         cache = FeatureCache(cfg.TEST.FEATURE_CACHE_DIR) if cfg.TEST.FEATURE_CACHE else None
         key = None

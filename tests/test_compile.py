@@ -80,10 +80,11 @@ def test_compiled_steps_and_evaluation_match_eager(trainer, sam, tmp_path, dtd_r
         results[mode] = (losses, params, acc)
         tr.close_writer()
     (l1, p1, a1), (l2, p2, a2) = results["off"], results["aot_eager"]
+    # fp32 rounding: AOT autograd's decompositions (layer norm, GELU) round differently
     assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6)
     assert a1 == a2
     for x, y in zip(p1, p2, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
 def test_partial_batches_run_eagerly(tmp_path, dtd_root, deep_opts):
@@ -115,12 +116,17 @@ def test_auto_is_off_on_cpu_and_compiles_when_training_starts(
     monkeypatch.setattr(et, "resolve_compile", lambda v, d: "aot_eager" if v == "auto" else "")
     marks = []
     monkeypatch.setattr(et, "mark_step", lambda: marks.append(1))
-    tr = build_trainer(trainer_cfg("CoOp", tmp_path, dtd_root, deep_opts, "auto"))
+    no_test = ("TEST.NO_TEST", "True")
+    cfg = trainer_cfg("CoOp", tmp_path, dtd_root, deep_opts, "auto", "sample", *no_test)
+    tr = build_trainer(cfg)
     assert tr.compile_mode == "aot_eager" and not ec.compiled_forwards(tr.model)
-    tr.train()  # one epoch, then the evaluation of the test set
+    tr.train()  # one epoch
     assert_compiled_and_used(tr)
-    sigs = [sig for f in ec.compiled_forwards(tr.model).values() for sig in f.first_calls]
-    assert sigs and all(grad for _, grad, _ in sigs)  # auto: evaluation (no grad) ran eagerly
+    forwards = ec.compiled_forwards(tr.model)
+    assert set(forwards) == {"text_encoder", "image_encoder"}  # CLIP's image tower too
+    trained = {name: dict(f.first_calls) for name, f in forwards.items()}
+    tr.test()
+    assert {name: f.first_calls for name, f in forwards.items()} == trained  # evaluation: eager
     assert len(marks) >= len(tr.train_loader_x)  # a CUDA-graph step mark per training step
     monkeypatch.setattr(et, "resolve_compile", resolve)
 

@@ -421,18 +421,25 @@ def eval_times(tr, ref, s: Settings, timer: Timer) -> tuple[dict[str, Timing], i
     images = images.to(tr.device)
 
     def infer(t):
-        def run():
-            with t.autocast():  # as SimpleTrainer.test: before_test outside autocast
+        def run():  # as SimpleTrainer.test: before_test outside autocast, compiled or not
+            with t.compiled_batch(per_call, per_call, training=False), t.autocast():
                 t.model_inference(images)
+
+        return run
+
+    def setup(t):
+        def run():
+            with t.compiled_batch(1, 1, training=False):
+                t.before_test()
 
         return run
 
     for t in (tr, ref):
         t.set_model_mode("eval")
-        t.before_test()
+        setup(t)()
     try:
-        fns = {"setup": tr.before_test, "infer": infer(tr)}
-        times = timer.measure({**fns, "ref_setup": ref.before_test, "ref_infer": infer(ref)})
+        fns = {"setup": setup(tr), "infer": infer(tr)}
+        times = timer.measure({**fns, "ref_setup": setup(ref), "ref_infer": infer(ref)})
     finally:
         for t in (tr, ref):
             t.after_test()
