@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from tools.benchmark import TARGETS, Timer, Timing, eval_seconds
+from tools.benchmark import TARGETS, Timer, Timing, eval_seconds, mark_line, phases
 
 
 def test_timer_interleaves_warms_up_and_stops_at_its_budget():
@@ -34,6 +34,27 @@ def test_evaluation_seconds_encode_text_once_or_per_batch():
     project, reference = eval_seconds(times, per_call=10, batch=100, n_images=1000)
     assert project == 2.0 + 10 * 10 * 1.0
     assert reference == 10 * (3.0 + 10 * 1.0)
+
+
+def test_run_phases_from_log_lines_count_compiled_first_calls():
+    """--runs: the phases of a run from its log lines (the engine's own messages)."""
+    marks = {}
+    lines = [
+        (1.0, "torch.compile (reduce-overhead): text_encoder, image_encoder"),
+        (3.5, "torch.compile (reduce-overhead) text_encoder: first call 2.25 s (4 new graph(s) "
+              "in this process), output equal to eager"),
+        (3.8, "torch.compile (reduce-overhead) image_encoder: first call 0.25 s (0 new graph(s) "
+              "in this process), output equal to eager"),
+        (4.0, "epoch [1/1] batch [1/2] time 3.000 (3.000) ..."),
+        (4.1, "epoch [1/1] batch [2/2] time 0.100 (1.550) ..."),
+        (5.0, "* accuracy: 50.0%"),
+    ]  # fmt: skip
+    for now, line in lines:
+        mark_line(marks, line, now)
+    assert phases(marks, end=5.5) == {
+        "to_first_step_s": 4.0, "steps_s": 0.1, "eval_s": 0.9, "exit_s": 0.5, "wall_s": 5.5,
+        "compile_s": 2.5,
+    }  # fmt: skip
 
 
 @pytest.mark.slow

@@ -978,7 +978,8 @@ def make_run_data(root: str, device: str) -> None:
 
 def phases(marks: dict, end: float) -> dict:
     """Seconds from the start to the first logged step, of the steps, of the evaluation and
-    from the result line to the end of the run (``marks``: times of the log lines)."""
+    from the result line to the end of the run (``marks``: times of the log lines), and the
+    first calls of compiled encoders (compilation included; part of the first step)."""
     first, last = marks.get("first_step", end), marks.get("last_step", end)
     result = marks.get("result", end)
     return {
@@ -987,6 +988,7 @@ def phases(marks: dict, end: float) -> dict:
         "eval_s": round(result - last, 3),
         "exit_s": round(end - result, 3),
         "wall_s": round(end, 3),
+        "compile_s": round(marks.get("compile_s", 0.0), 3),
     }
 
 
@@ -996,6 +998,9 @@ def mark_line(marks: dict, line: str, now: float) -> None:
         marks["last_step"] = now
     elif line.startswith("* accuracy"):
         marks["result"] = now
+    elif line.startswith("torch.compile (") and ": first call " in line:
+        seconds = float(line.split(": first call ", 1)[1].split(" s", 1)[0])
+        marks["compile_s"] = marks.get("compile_s", 0.0) + seconds
 
 
 def process_run(argv: list[str], root: str = ROOT) -> dict:
@@ -1154,7 +1159,7 @@ def run_costs(args) -> dict:
     def median(rows, key):
         return round(statistics.median(r[key] for r in rows), 3)
 
-    keys = ("to_first_step_s", "steps_s", "eval_s", "exit_s", "wall_s")
+    keys = ("to_first_step_s", "steps_s", "eval_s", "exit_s", "wall_s", "compile_s")
     result = {
         "device": device_description(device),
         "process": {k: median(process, k) for k in keys},
@@ -1202,7 +1207,8 @@ def print_run_costs(result: dict) -> None:
         print(
             f"{name:>10}: start to first step {r['to_first_step_s']:.2f} s, steps "
             f"{r['steps_s']:.2f} s, evaluation {r['eval_s']:.2f} s, result to end "
-            f"{r['exit_s']:.2f} s (fixed {r['fixed_s']:.2f} s, wall {r['wall_s']:.2f} s)"
+            f"{r['exit_s']:.2f} s (fixed {r['fixed_s']:.2f} s, wall {r['wall_s']:.2f} s; "
+            f"compiled encoders' first calls {r['compile_s']:.2f} s)"
         )
     for n, p in result["packed"].items():
         print(f"{n} in-process worker(s): {p['runs']} runs in {p['wall_s']:.1f} s, "
