@@ -74,7 +74,11 @@ def test_small_run_writes_every_key(tmp_path):
     assert "NoSuchTrainer is not registered: skipped" in proc.stderr
     result = json.loads(out.read_text())
     info = {"loader_images_per_s", "step_demand_images_per_s"}
-    assert set(result) == {*TARGETS, *info, "rows", "device"}
+    released = {"coop100_sgd_step_ms", "coop100_sample_step_ms"}
+    vs_h200 = {"sgd_speedup_vs_released_h200", "sample_speedup_vs_released_h200"}
+    assert set(result) == {*TARGETS, *info, *released, *vs_h200, "rows", "device"}
+    assert all(result[k] > 0 for k in released) and all(result[k] is None for k in vs_h200)
+    assert "vs the released code's 44.8 ms on an H200: n/a (not an H200)" in proc.stdout
     assert result["device"].startswith("cpu:")
     for key in TARGETS:
         assert key in proc.stdout  # the report names every target
