@@ -25,6 +25,9 @@ def test_timer_interleaves_warms_up_and_stops_at_its_budget():
     times = Timer("cpu", warmup=3, steps=10, budget_s=0.0).measure(fns)
     assert order == ["a", "b"] * 2  # over budget: one warm-up round, one timed round
     assert times["a"].calls == 1
+    order.clear()
+    times = Timer("cpu", warmup=1, steps=1, budget_s=0.0, settle=3).measure(fns)
+    assert order == ["a", "b"] * 5  # 3 settling rounds whatever the budget, 1 warm-up, 1 timed
 
 
 def test_evaluation_seconds_encode_text_once_or_per_batch():

@@ -23,8 +23,10 @@ entry per trainer x optimizer x precision) and a ``device`` string; it is rewrit
 measurement, and a failed measurement is reported (exit status 1) without stopping the others
 (its key stays null). Times are medians of ``--steps`` timed calls after ``--warmup`` calls,
 interleaving the compared variants (so load changes on a shared machine hit both), with CUDA
-synchronisation around every timed call; a measurement group stops repeating once it has used
-``--budget`` seconds (at least one call).
+synchronisation around every timed call; with compilation on (``--compile``, default ``auto``:
+on a GPU), every measurement first makes 3 untimed rounds, whatever the budget (compilation and
+the compiled encoders' first calls, which are checked against eager); a measurement group
+stops repeating once it has used ``--budget`` seconds (at least one call).
 On CPU torch runs one thread by default (``--threads``): on a shared machine descheduled OpenMP
 threads slow small operations down many times, which would distort the ratios.
 
@@ -65,7 +67,7 @@ if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
 from engine.clip.text import full_length_prompts  # noqa: E402
-from engine.compile import compiled_forwards  # noqa: E402
+from engine.compile import CHECKED_CALLS, compiled_forwards, resolve_compile  # noqa: E402
 from tools._repo import ROOT  # noqa: E402
 
 logger = logging.getLogger("benchmark")
@@ -218,9 +220,10 @@ class Timing:
 class Timer:
     """Interleaved, synchronised timing of several callables (see the module docstring)."""
 
-    def __init__(self, device: str, warmup: int, steps: int, budget_s: float):
+    def __init__(self, device: str, warmup: int, steps: int, budget_s: float, settle: int = 0):
         self.cuda = device == "cuda"
         self.warmup, self.steps, self.budget_s = warmup, steps, budget_s
+        self.settle = settle  # untimed rounds before the warm-up, whatever the budget
 
     def _sync(self) -> None:
         if self.cuda:
@@ -239,6 +242,9 @@ class Timer:
         return elapsed, peak
 
     def measure(self, fns: dict[str, Callable[[], object]]) -> dict[str, Timing]:
+        for _ in range(self.settle):  # compiled paths: compilation and the checked first calls
+            for fn in fns.values():
+                self._call(fn)
         start = time.perf_counter()
         for i in range(self.warmup):
             if i and time.perf_counter() - start > self.budget_s:
@@ -888,7 +894,8 @@ def run(args) -> tuple[dict, list[str]]:
     tmp = tempfile.mkdtemp(prefix="sample-pl-bench-")
     try:
         s = make_settings(args, tmp)
-        timer = Timer(s.device, s.warmup, s.steps, s.budget_s)
+        settle = CHECKED_CALLS if resolve_compile(s.compile, s.device) else 0
+        timer = Timer(s.device, s.warmup, s.steps, s.budget_s, settle)
         registered = [t for t in s.trainers if t in TRAINER_REGISTRY]
         for t in s.trainers:
             if t not in TRAINER_REGISTRY:

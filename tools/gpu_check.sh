@@ -1,0 +1,49 @@
+#!/bin/bash
+# The GPU measurements of issue 12 as one prepared script for a lent device (about 9 minutes on
+# an H100/H200; every part has its own time limit, so a slow part cannot starve the others).
+#
+# Prepare on the CPU machine (the device has torch but not these packages):
+#   pip download --no-deps -d wheels open-clip-torch==3.3.0 yacs==0.1.8 ftfy wcwidth tabulate
+# then run through the device tool:  bash tools/gpu_check.sh   (carry: wheels)
+#
+# Writes to $OUT (default /tmp/gpu_check):
+#   steps.json/.log  tools/benchmark.py --device cuda: CoOp, CoCoOp, MaPLe x {SGD, SAMPLe} at
+#                    their published batch sizes: compiled default, eager, reference style;
+#                    compilation seconds; evaluation; loader images/s vs the step's demand
+#   runs.json/.log   tools/benchmark.py --runs --device cuda: fixed cost per run (process and
+#                    in-process), runs/hour with 1, 2, 4, 8 workers, the paper-grid GPU-hours
+#   nvidia-smi.txt
+# GPU_CHECK_SMALL=1 runs the same sequence on CPU with --small and tiny runs (a smoke test).
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if compgen -G "wheels/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps wheels/*.whl || exit 1
+fi
+if [[ ${GPU_CHECK_SMALL:-0} == 1 ]]; then
+  STEPS=(--small --device cpu --steps 1 --warmup 0 --compile aot_eager)
+  RUNS=(--device cpu --run-epochs 1 --run-repeats 1 --run-workers 1 --packed-runs 2)
+else
+  STEPS=(--device cuda)
+  RUNS=(--device cuda --run-workers 1,2,4,8)
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+fi
+timeout "${STEPS_LIMIT:-330}" $PY tools/benchmark.py "${STEPS[@]}" --trainers CoOp,CoCoOp,MaPLe \
+  --optims sgd,sample --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
+echo "steps: exit $?"
+# the grid estimate from the CoOp SGD and SAMPLe steps just measured (else the released anchors)
+STEP_MS=$($PY - "$OUT/steps.json" <<'EOF'
+import json, sys
+try:
+    rows = {r["optimizer"]: r["step_ms"] for r in json.load(open(sys.argv[1]))["rows"]
+            if r["trainer"] == "CoOp"}
+    print(f"{rows['sgd']:.2f},{rows['sample']:.2f}")
+except (OSError, KeyError, ValueError):
+    pass
+EOF
+)
+timeout "${RUNS_LIMIT:-200}" $PY tools/benchmark.py --runs "${RUNS[@]}" ${STEP_MS:+--step-ms $STEP_MS} \
+  --json "$OUT/runs.json" > "$OUT/runs.log" 2>&1
+echo "runs: exit $?"
+tail -n 30 "$OUT/steps.log" "$OUT/runs.log"
