@@ -87,6 +87,39 @@ def test_compiled_steps_and_evaluation_match_eager(trainer, sam, tmp_path, dtd_r
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("prec", ["fp16", "amp", "bf16"])
+@pytest.mark.parametrize("trainer", ["CoOp", "MaPLe"])
+def test_compiled_steps_match_eager_in_half_precision(trainer, prec, tmp_path, dtd_root, deep_opts):
+    """The GPU precisions: fp16 weights (fp32 prompts), amp (GradScaler, one scale for both
+    passes) and bf16 autocast, with SAMPLe. Compiled and eager differ by half-precision rounding
+    (AOT autograd's decompositions compute some backward ops in fp32), so the criterion is that
+    rounding's own size in this run, the eager half-precision run's distance from fp32: the
+    compiled losses and parameters after three steps stay within 3x that distance of eager.
+    SGD (the papers' base optimizer): Adam's first steps move every element by +-lr whatever
+    its gradient's size, so rounding that flips a near-zero gradient's sign moves it by 2 lr."""
+    node = TRAINER_REGISTRY.get(trainer).config_node()
+    results = {}
+    sgd = ("OPTIM.NAME", "sgd", "OPTIM.LR", "0.002")
+    for mode, p in (("off", "fp32"), ("off", prec), ("aot_eager", prec)):
+        cfg = trainer_cfg(trainer, tmp_path, dtd_root, deep_opts, mode, "sample", *sgd)
+        cfg.defrost()
+        cfg.TRAINER[node].PREC = p
+        tr = build_trainer(cfg)
+        if p == "amp":  # the default 2**16 overflows the tiny fp16 model's first steps
+            tr.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        tr.compile_model()
+        results[mode, p] = (train_steps(tr), learnable(tr))
+        if mode != "off":
+            assert_compiled_and_used(tr)
+    (l32, p32), (le, pe), (lc, pc) = results.values()
+    rounding = max(abs(b - a) for a, b in zip(l32, le, strict=True))
+    for b, c in zip(le, lc, strict=True):
+        assert abs(c - b) <= 3 * rounding + 1e-5, (lc, le, l32)
+    for a, b, c in zip(p32, pe, pc, strict=True):
+        assert (c - b).norm() <= 3 * (b - a).norm() + 1e-6, ((c - b).norm(), (b - a).norm())
+
+
 def test_partial_batches_run_eagerly(tmp_path, dtd_root, deep_opts):
     """The last, smaller batch of an epoch and of the test set never gets a graph of its own:
     every compiled signature of MaPLe's image encoder has the full batch."""
