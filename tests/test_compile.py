@@ -41,11 +41,16 @@ def trainer_cfg(trainer, tmp_path, root, deep_opts, mode, sam="sample", *extra):
 
 
 def train_steps(tr, steps: int = STEPS) -> list[float]:
+    """``steps`` training steps; compiled, only the first one compiles (a new graph per step,
+    e.g. from a guard on a per-step object, would be silently slow)."""
     tr.set_model_mode("train")
-    losses = []
+    losses, graphs = [], []
     for i, batch in zip(range(steps), tr.train_loader_x):
         tr.batch_idx = i
         losses.append(float(tr.forward_backward(batch)["loss"]))
+        graphs.append(ec.graph_count())
+    if ec.compiled_forwards(tr.model):  # the last, partial batch runs eagerly
+        assert len(set(graphs)) == 1, graphs
     return losses
 
 
