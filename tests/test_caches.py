@@ -65,6 +65,40 @@ def test_decoded_cache_respects_its_budget(dtd_root):
     assert 0 < len(cache) < len(items) and cache.nbytes <= 2**20
 
 
+def test_decoded_images_are_kept_between_runs_of_a_process(dtd_root, caplog):
+    """A second run (a packed worker's next run) reuses the decoded tensors; a file changed on
+    disk is decoded again; the store stays within the budget."""
+    from PIL import Image
+
+    from engine.data.image_cache import (
+        DecodedImageCache,
+        clear_process_store,
+        process_store_info,
+    )
+
+    clear_process_store()
+    dm, _ = _loader_batches(dtd_root, cache=False)
+    items = dm.dataset.train_x
+    cfg = make_cfg(["DATALOADER.CACHE_DECODED_MB", "1"])
+    first = DecodedImageCache.build(cfg, items)
+    assert process_store_info()[0] == len(items)
+    changed = items[0].impath
+    Image.new("RGB", (24, 16), (255, 0, 0)).save(changed)  # another size: another key
+    caplog.set_level(logging.INFO, logger="engine.data.image_cache")
+    second = DecodedImageCache.build(cfg, items)
+    assert f"{len(items) - 1} images decoded by an earlier run" in caplog.text
+    assert all(second.get(i) is first.get(i) for i in range(1, len(items)))  # the same tensors
+    assert second.get(0).shape == (3, 16, 24) and second.get(0)[0].ge(250).all()  # JPEG
+    tiny = make_cfg(["DATALOADER.CACHE_DECODED_MB", "0"])  # a run with another budget
+    DecodedImageCache.build_checked(tiny, items)
+    assert process_store_info()[0] == len(items) + 1  # budget 0 decodes nothing, trims nothing
+    small = make_cfg(["DATALOADER.CACHE_DECODED_MB", "1"])
+    DecodedImageCache.build(small, items * 60)  # 2,100 entries of the same 36 files fit
+    assert process_store_info()[1] <= 2**20
+    clear_process_store()
+    assert process_store_info() == (0, 0)
+
+
 def _coop(tmp_path, dtd_root, tiny_clip_opts, cache_dir, *extra):
     cfg = make_cfg(
         [

@@ -9,11 +9,20 @@ image go through exactly the same operations: the batches are identical, only fa
 Building the cache is also where the training images are checked: every image is either
 decoded or given the fast check of :mod:`.image_check`, and the unreadable ones are returned
 (all of them, with reasons) instead of failing one at a time in a loader worker.
+
+Several runs in one process (a ``tools/grid.py --in-process`` worker: seeds and optimizers of
+one trainer and dataset) decode each file once: decoded images stay in a process-wide store
+keyed by (path, modification time, size), the most recently used ones first, within the run's
+``CACHE_DECODED_MB`` (:func:`process_store_info`, :func:`clear_process_store`). A file changed
+on disk is decoded again; the tensors are never modified (the pipelines copy them).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,6 +32,55 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 from .image_check import UnreadableImagesError, describe, find_unreadable
 
 logger = logging.getLogger(__name__)
+
+# (path, mtime_ns, size) -> uint8 [3, H, W]: decoded images kept between the runs of a process
+_STORE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_STORE_LOCK = threading.Lock()
+
+
+def _file_key(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (path, st.st_mtime_ns, st.st_size)
+
+
+def _store_get(key: tuple | None) -> torch.Tensor | None:
+    if key is None:
+        return None
+    with _STORE_LOCK:
+        tensor = _STORE.get(key)
+        if tensor is not None:
+            _STORE.move_to_end(key)
+        return tensor
+
+
+def _store_put(key: tuple | None, tensor: torch.Tensor) -> None:
+    if key is not None:
+        with _STORE_LOCK:
+            _STORE[key] = tensor
+            _STORE.move_to_end(key)
+
+
+def _store_trim(budget: int) -> None:
+    """Drop the least recently used images beyond ``budget`` bytes."""
+    with _STORE_LOCK:
+        total = sum(t.numel() for t in _STORE.values())
+        while _STORE and total > budget:
+            _, tensor = _STORE.popitem(last=False)
+            total -= tensor.numel()
+
+
+def process_store_info() -> tuple[int, int]:
+    """(images, bytes) in the process-wide store of decoded images."""
+    with _STORE_LOCK:
+        return len(_STORE), sum(t.numel() for t in _STORE.values())
+
+
+def clear_process_store() -> None:
+    with _STORE_LOCK:
+        _STORE.clear()
 
 
 class DecodedImageCache:
@@ -80,11 +138,18 @@ class DecodedImageCache:
                 return 3 * img.size[0] * img.size[1]
 
         def decode(item):
+            """(tensor, reason if unreadable, whether an earlier run decoded it)"""
+            key = _file_key(item.impath)
+            stored = _store_get(key)
+            if stored is not None:
+                return stored, None, True
             try:
                 with Image.open(item.impath) as img:
-                    return pil_to_tensor(img.convert("RGB")), None  # [3, H, W] uint8
+                    tensor = pil_to_tensor(img.convert("RGB"))  # [3, H, W] uint8
             except Exception as e:  # reported with the others, not raised from a thread
-                return None, describe(e)
+                return None, describe(e), False
+            _store_put(key, tensor)
+            return tensor, None, False
 
         with ThreadPoolExecutor(max_workers=num_threads) as pool:
             selected, used = [], 0
@@ -94,8 +159,8 @@ class DecodedImageCache:
                 if data_source[idx].impath not in unreadable:
                     selected.append(idx)
                     used += nbytes
-            images = {}
-            for idx, (tensor, reason) in zip(
+            images, reused = {}, 0
+            for idx, (tensor, reason, hit) in zip(
                 selected, pool.map(decode, [data_source[i] for i in selected])
             ):
                 if tensor is None:
@@ -104,6 +169,10 @@ class DecodedImageCache:
                         unreadable.add(data_source[idx].impath)
                 else:
                     images[idx] = tensor
+                    reused += hit
+        _store_trim(budget)
+        if reused:
+            logger.info("Decoded-image cache: %d images decoded by an earlier run", reused)
         if len(images) + len(bad) < len(data_source):
             logger.info(
                 "Decoded-image cache: %d of %d training images fit DATALOADER.CACHE_DECODED_MB="
