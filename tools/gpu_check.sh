@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU measurements of issue 12 as one prepared script for a lent device (about 9 minutes on
+# The GPU measurements of issue 12 as one prepared script for a lent device (about 9.5 minutes on
 # an H100/H200; every part has its own time limit, so a slow part cannot starve the others).
 #
 # Prepare on the CPU machine (the device has torch but not these packages):
@@ -29,7 +29,7 @@ else
   RUNS=(--device cuda --run-workers 1,2,4,8)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 fi
-timeout "${STEPS_LIMIT:-330}" $PY tools/benchmark.py "${STEPS[@]}" --trainers CoOp,CoCoOp,MaPLe \
+timeout "${STEPS_LIMIT:-360}" $PY tools/benchmark.py "${STEPS[@]}" --trainers CoOp,CoCoOp,MaPLe \
   --optims sgd,sample --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
 echo "steps: exit $?"
 # the grid estimate from the CoOp SGD and SAMPLe steps just measured (else the released anchors)
