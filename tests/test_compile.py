@@ -125,6 +125,34 @@ def test_compiled_steps_match_eager_in_half_precision(trainer, prec, tmp_path, d
         assert (c - b).norm() <= 3 * (b - a).norm() + 1e-6, ((c - b).norm(), (b - a).norm())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", TRAINABLE)
+def test_every_encoder_is_captured_whole(trainer, tmp_path, dtd_root, deep_opts):
+    """Each compiled encoder's forward, with the inputs its trainer's training step gives it,
+    is one graph without breaks (a break splits a CUDA graph and brings back the launches)."""
+    import torch._dynamo
+
+    tr = build_trainer(trainer_cfg(trainer, tmp_path, dtd_root, deep_opts, "off", "sample"))
+    modules = {n: m for n, m in tr.model.named_modules() if isinstance(m, ec._encoder_types())}
+    inputs = {}
+    for name, module in modules.items():
+
+        def record(*args, _name=name, _forward=module.forward, **kwargs):
+            inputs.setdefault(_name, (args, kwargs))
+            return _forward(*args, **kwargs)
+
+        module.forward = record
+    tr.set_model_mode("train")
+    tr.batch_idx = 0
+    tr.forward_backward(next(iter(tr.train_loader_x)))
+    assert inputs, "the step called no encoder"
+    for name, (args, kwargs) in inputs.items():
+        del modules[name].forward  # the class's forward again
+        explained = torch._dynamo.explain(modules[name].forward)(*args, **kwargs)
+        reasons = [str(b.reason) for b in explained.break_reasons]
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (name, reasons)
+
+
 def test_partial_batches_run_eagerly(tmp_path, dtd_root, deep_opts):
     """The last, smaller batch of an epoch and of the test set never gets a graph of its own:
     every compiled signature of MaPLe's image encoder has the full batch."""
