@@ -304,6 +304,19 @@ def compiled_forwards(model: nn.Module) -> dict[str, CompiledForward]:
     }
 
 
+def release_cuda_graphs() -> None:
+    """Free the CUDA graphs that ``reduce-overhead`` recorded (and their memory pools). A packed
+    worker calls it between runs: the next run's parameters are new tensors, so the old graphs
+    cannot be replayed, and they would hold memory for the rest of the process. The compiled
+    code stays cached (no compilation again); the next run records its graphs anew. A no-op
+    unless CUDA-graph trees were used in this process."""
+    if "torch._inductor.cudagraph_trees" not in sys.modules:
+        return
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+
+
 def mark_step() -> None:
     """Start a new CUDA-graph step (needed by mode reduce-overhead between iterations); a no-op
     when nothing was compiled in this process (torch._dynamo never imported)."""

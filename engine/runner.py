@@ -9,7 +9,8 @@ read in memory (:func:`engine.clip.model.cache_weights`); each run still builds 
 from the seeded RNG, takes its run folder's lock, writes its own ``log.txt``, ``config.yaml``,
 scalars and checkpoints, so its folder and numbers are those of a ``train.py`` process with the
 same arguments (``tests/test_packed_runs.py``). Between runs the worker closes the run's log
-handlers and stops the run's loader workers.
+handlers, stops the run's loader workers and frees the CUDA graphs recorded for the run's
+parameters (engine.compile.release_cuda_graphs; the compiled code is kept for the next run).
 
 Protocol (one JSON object per line): the parent writes ``{"argv": [...], "console": path}`` to
 the worker's stdin; the worker runs ``train.py argv`` with its stdout and stderr appended to
@@ -51,6 +52,7 @@ def run_in_process(argv: list[str]) -> int:
     loader workers stopped).
     """
     from engine.cli import run
+    from engine.compile import release_cuda_graphs
     from engine.data.manager import shutdown_loaders
 
     try:
@@ -66,6 +68,7 @@ def run_in_process(argv: list[str]) -> int:
         close_run_logging()
         gc.collect()  # the run's trainer, model and loaders (reference cycles included)
         shutdown_loaders()
+        release_cuda_graphs()  # recorded for the run's parameters; the compiled code stays
 
 
 @contextlib.contextmanager

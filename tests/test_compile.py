@@ -216,16 +216,23 @@ def test_graphs_are_reused_by_the_next_run_in_the_process(tmp_path, dtd_root, de
     assert counts[0] > 0 and counts[1] == 0, counts
 
 
-def test_a_packed_worker_compiles_once_for_its_runs(tmp_path, dtd_root, tiny_clip_opts):
+def test_a_packed_worker_compiles_once_for_its_runs(
+    tmp_path, dtd_root, tiny_clip_opts, monkeypatch
+):
     """Two train.py runs in one process (a tools/grid.py worker): the second run's log shows
-    its compiled calls checked against eager and no new graph."""
+    its compiled calls checked against eager and no new graph; CUDA graphs (recorded for a
+    run's parameters) are freed after each run without losing the compiled code."""
     import re
 
     import torch._dynamo
+    import torch._inductor.cudagraph_trees as trees
 
     from engine.runner import run_in_process
 
     torch._dynamo.reset()
+    resets = []
+    reset = trees.reset_cudagraph_trees
+    monkeypatch.setattr(trees, "reset_cudagraph_trees", lambda: resets.append(1) or reset())
     new_graphs = []
     for seed in ("1", "2"):
         out = tmp_path / f"seed{seed}"
@@ -236,6 +243,7 @@ def test_a_packed_worker_compiles_once_for_its_runs(tmp_path, dtd_root, tiny_cli
         assert found and "output equal to eager" in log, log[-2000:]
         new_graphs.append(sum(map(int, found)))
     assert new_graphs[0] > 0 and new_graphs[1] == 0, new_graphs
+    assert len(resets) == 2  # after each run
 
 
 def test_a_failing_or_wrong_compiled_forward_falls_back_to_eager(caplog):
