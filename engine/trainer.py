@@ -310,7 +310,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if cfg.SEED >= 0:  # the same seed gives the same model (e.g. random prompt init) in-process
             set_random_seed(cfg.SEED)
         self.compile_mode = resolve_compile(cfg.MODEL.COMPILE, self.device.type)
-        self.compiled_modules: list[str] = []
+        self.compiled_modules: list[str] | None = None  # None: compile_model() not run yet
         if classnames is None:
             self.build_data_loader()
         else:
@@ -329,9 +329,9 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         (engine.compile; ``auto`` compiles when training starts). Idempotent; returns the names of
         the compiled modules."""
         model = getattr(self, "model", None)
-        if self.compile_mode and not self.compiled_modules and isinstance(model, nn.Module):
-            self.compiled_modules = compile_encoders(model, self.compile_mode) or ["-"]
-        return [n for n in self.compiled_modules if n != "-"]
+        if self.compile_mode and self.compiled_modules is None and isinstance(model, nn.Module):
+            self.compiled_modules = compile_encoders(model, self.compile_mode)
+        return self.compiled_modules or []
 
     def compiled_batch(self, n: int, full: int, training: bool = True):
         """A context for a batch of ``n`` items where the compiled encoders take ``full``: a

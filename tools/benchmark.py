@@ -351,7 +351,9 @@ def build(cfg, classnames: list[str], reference: bool = False):
 
 
 def eager_cfg(cfg):
-    """``cfg`` with MODEL.COMPILE off."""
+    """``cfg`` with MODEL.COMPILE off: the reference style, and the micro-benchmarks of one part
+    (text truncation, evaluation, CoCoOp batching), where compiling only the project's side of
+    a comparison would measure the compiler instead of the part."""
     cfg = cfg.clone()
     cfg.defrost()
     cfg.MODEL.COMPILE = "off"
@@ -588,11 +590,6 @@ def fmt_times(times: dict[str, Timing]) -> str:
 # ----------------------------------------------------------------------------------------------
 # The single-purpose measurements
 # ----------------------------------------------------------------------------------------------
-# the micro-benchmarks of one part (text truncation, evaluation, CoCoOp batching) compare
-# eager paths: compilation would speed up both sides of each comparison's project side only
-EAGER = ("MODEL.COMPILE", "off")
-
-
 # The released code bases' CoOp step as issue 12 measured it on one H200 (fp16, random-weight
 # ViT-B/16 at 224 px, 100 classes, batch 32, median step): the original CoOp (Dassl) with SGD and
 # the SAMPLe authors' code with SAMPLe. Compared only on an H200 (another device has other times).
@@ -630,7 +627,7 @@ def sample_over_sgd(
 def text_truncation(s: Settings, timer: Timer, tmp: str) -> float:
     """Target 1: CoOp's text encoder forward + backward, n_ctx 4, ``text_classes`` classes."""
     names = class_names(s.text_classes)
-    cfg = bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "text"), *EAGER)
+    cfg = eager_cfg(bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "text")))
     tr, ref = build(cfg, names), build(cfg, names, reference=True)
     with torch.no_grad(), tr.autocast():
         features = tr.model.encode_text()
@@ -665,7 +662,7 @@ def imagenet_eval(s: Settings, timer: Timer, tmp: str) -> float:
     ``eval_test_images`` images) against the reference, which re-encodes the class prompts for
     every batch."""
     names = class_names(s.eval_classes)
-    cfg = bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "eval"), *EAGER)
+    cfg = eager_cfg(bench_cfg("CoOp", "sgd", s, None, osp.join(tmp, "out", "eval")))
     tr, ref = build(cfg, names), build(cfg, names, reference=True)
     times, per_call, batch = eval_times(tr, ref, s, timer)
     release(tr, ref)
@@ -689,7 +686,7 @@ def cocoop_batching(s: Settings, timer: Timer, tmp: str) -> float:
     CoCoOp's code (the project's ``encode_text`` on one image at a time), forward + backward of
     the cross-entropy, ``cocoop_batch`` images."""
     names = class_names(s.base_classes)
-    cfg = bench_cfg("CoCoOp", "sgd", s, None, osp.join(tmp, "out", "cocoop"), *EAGER)
+    cfg = eager_cfg(bench_cfg("CoCoOp", "sgd", s, None, osp.join(tmp, "out", "cocoop")))
     tr = build(cfg, names)
     model = tr.model
     batch = synthetic_batch(cfg, len(names), s.device, batch_size=s.cocoop_batch)
