@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(finite) checkpoint with the new values",
     )
     parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_FILE",
+        help="import a module registering your own trainer, dataset reader or optimizer "
+        "before the config is built: a .py path or a module name; repeatable (also PLUGINS, "
+        "$SAMPLE_PL_PLUGINS)",
+    )
+    parser.add_argument(
         "opts", default=None, nargs=argparse.REMAINDER, help="config overrides: KEY VALUE ..."
     )
     return parser
@@ -133,12 +142,28 @@ def reset_cfg(cfg, args) -> None:
 
 
 def setup_cfg(args):
-    """defaults -> trainer keys -> dataset config -> trainer config -> optim config -> flags ->
-    opts -> the reproduction mode's overlay (engine/repro.py) -> opts again (they win)."""
+    """plugins (engine/plugins.py) -> defaults -> trainer keys -> dataset config -> trainer
+    config -> optim config -> flags -> opts -> the reproduction mode's overlay (engine/repro.py)
+    -> opts again (they win)."""
     from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
+    from .plugins import env_plugins, load_plugins, plugins_in_files, plugins_in_opts, unique
     from .registry import TRAINER_REGISTRY
     from .repro import apply_reproduction
 
+    opts = list(args.opts or [])
+    if opts and opts[0] == "--":
+        opts = opts[1:]
+    opts = [*getattr(args, "leading_opts", []), *opts]
+    files = [args.dataset_config_file, *args.config_file, getattr(args, "optim_config_file", "")]
+    plugins = unique(
+        [
+            *env_plugins(),
+            *plugins_in_files(files),
+            *(getattr(args, "plugin", None) or []),
+            *plugins_in_opts(opts),
+        ]
+    )
+    load_plugins(plugins)  # before the defaults: a plugin trainer adds its config keys
     if not len(TRAINER_REGISTRY):
         raise RuntimeError(
             "setup_cfg: no trainer is registered; import the trainers first (import trainers)"
@@ -151,16 +176,13 @@ def setup_cfg(args):
     if getattr(args, "optim_config_file", ""):
         merge_from_file(cfg, args.optim_config_file)
     reset_cfg(cfg, args)
-    opts = list(args.opts or [])
-    if opts and opts[0] == "--":
-        opts = opts[1:]
-    opts = [*getattr(args, "leading_opts", []), *opts]
     flags = [o for o in opts[0::2] if o.startswith("--")]
     if flags:
         raise ConfigError(
             f"Flag {flags[0]} comes after the KEY VALUE options; put all --flags before them"
         )
     merge_from_list(cfg, opts)
+    cfg.PLUGINS = plugins  # every plugin of the run, wherever it was named
     if cfg.TRAINER.NAME in TRAINER_REGISTRY:  # another code base's keys -> ours (default: none)
         TRAINER_REGISTRY.get(cfg.TRAINER.NAME).translate_cfg(cfg)
     apply_reproduction(cfg, getattr(args, "repro", ""), opts)  # the mode's overlay; opts win

@@ -33,6 +33,10 @@ _C.VERBOSE = True  # print the dataset summary table and other details
 # configs/repro/released/<TRAINER>.yaml, merged after the config files; command-line KEY VALUE
 # options still win). Set it with train.py --repro MODE or REPRODUCTION MODE.
 _C.REPRODUCTION = "paper"
+# Modules registering a user's own trainers, dataset readers or optimizers, imported before the
+# config is built: .py paths or module names (also train.py --plugin, $SAMPLE_PL_PLUGINS;
+# engine/plugins.py). Recorded here so that config.yaml names every plugin a run used.
+_C.PLUGINS = []
 
 ###########################
 # Input

@@ -43,6 +43,7 @@ NOT_EXPERIMENT_KEYS = (
     "RESUME",
     "USE_CUDA",
     "VERBOSE",
+    "PLUGINS",  # where code comes from (a path may be written two ways); TRAINER.NAME counts
     "DATASET.ROOT",
     "DATALOADER.NUM_WORKERS",
     "DATALOADER.CACHE_DECODED",
