@@ -3,6 +3,7 @@
 Usage::
 
     python tools/download_weights.py ViT-B/16 RN50            # OpenAI's names -> ~/.cache/clip
+    python tools/download_weights.py ViT-B-16.pt               # or their file names
     python tools/download_weights.py ViT-B-16:laion2b_s34b_b88k   # open_clip tags (HF cache)
     python tools/download_weights.py hf-hub:org/name           # an open_clip Hugging Face repo
     python tools/download_weights.py --url URL --sha256 SHA    # any other address
@@ -69,7 +70,7 @@ def check(names: list[str], url: str, sha256: str) -> int:
             print(f"No OpenAI checkpoint in {weights.clip_cache_dir()}")
             return 0
     bad = 0
-    for name in names:
+    for name in map(openai_name, names):
         if name in OPENAI_MODELS:
             state = openai_state(name, True)
             path = osp.join(weights.clip_cache_dir(), OPENAI_MODELS[name][1])
@@ -86,8 +87,15 @@ def check(names: list[str], url: str, sha256: str) -> int:
     return 1 if bad else 0
 
 
+def openai_name(name: str) -> str:
+    """OpenAI's name for one of its file names (``ViT-B-16.pt`` -> ``ViT-B/16``), else ``name``."""
+    by_file = {file_name: n for n, (_, file_name) in OPENAI_MODELS.items()}
+    return by_file.get(name, name)
+
+
 def fetch(names: list[str], url: str, sha256: str) -> int:
     """Fetch each name (or the URL); returns the exit status."""
+    names = [openai_name(n) for n in names]
     failed = 0
     items = [backbone_cfg(url=url, sha256=sha256)] if url else []
     items += [backbone_cfg(name=name) for name in names]
