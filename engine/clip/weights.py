@@ -210,7 +210,7 @@ def _download(url: str, dest: str, sha256: str, what: str, progress: bool) -> No
     for attempt in range(1, ATTEMPTS + 1):
         have = osp.getsize(part) if osp.isfile(part) else 0
         try:
-            offset = _transfer(url, part, have, what, progress)
+            offset, digest = _transfer(url, part, have, what, progress)
         except urllib.error.HTTPError as e:
             if e.code == 416 and have:  # the partial file does not fit the server's file
                 os.remove(part)
@@ -225,7 +225,6 @@ def _download(url: str, dest: str, sha256: str, what: str, progress: bool) -> No
                 note = f" ({kept} bytes kept in {part}: the next try resumes)" if kept else ""
                 raise _failure(what, url, dest, sha256, f"{last}{note}") from None
         else:
-            digest = file_sha256(part)
             if digest == sha256:
                 _publish(part, dest)
                 st = os.stat(dest)
@@ -257,9 +256,10 @@ def _download(url: str, dest: str, sha256: str, what: str, progress: bool) -> No
     raise _failure(what, url, dest, sha256, "the server keeps refusing the partial file")
 
 
-def _transfer(url: str, part: str, have: int, what: str, progress: bool) -> int:
+def _transfer(url: str, part: str, have: int, what: str, progress: bool) -> tuple[int, str]:
     """One request appending to ``part`` from byte ``have`` (or rewriting it when the server
-    ignores the Range header); returns the offset it started at."""
+    ignores the Range header); returns the offset it started at and the SHA256 of ``part``
+    (hashed while the data lands)."""
     headers = {"User-Agent": "sample-pl-weights"}
     if have:
         headers["Range"] = f"bytes={have}-"
@@ -280,6 +280,11 @@ def _transfer(url: str, part: str, have: int, what: str, progress: bool) -> int:
             logger.info("Downloading %s", url)
         from tqdm import tqdm
 
+        h = hashlib.sha256()
+        if resumed:
+            with open(part, "rb") as f:
+                while block := f.read(CHUNK):
+                    h.update(block)
         got = 0
         with (
             open(part, "ab" if resumed else "wb") as f,
@@ -297,13 +302,14 @@ def _transfer(url: str, part: str, have: int, what: str, progress: bool) -> int:
         ):
             while block := resp.read(CHUNK):
                 f.write(block)
+                h.update(block)
                 got += len(block)
                 bar.update(len(block))
             f.flush()
             os.fsync(f.fileno())
         if total is not None and offset + got < total:
             raise _Incomplete(f"connection closed after {offset + got} of {total} bytes")
-    return offset
+    return offset, h.hexdigest()
 
 
 def _publish(part: str, dest: str) -> None:
