@@ -332,8 +332,8 @@ def test_open_clip_tags_download_through_huggingface_hub(tmp_path, online, monke
     path = ensure_weights(make_cfg(["--backbone", "ViT-B-16:laion2b_s34b_b88k"]))
     assert calls == [("laion/CLIP-ViT-B-16-laion2B-s34B-b88K", "open_clip_model.safetensors")]
     assert path.endswith("open_clip_model.safetensors")
-    ensure_weights(make_cfg(["--backbone", "hf-hub:org/clip"]))
-    assert calls[-1] == ("org/clip", "open_clip_model.safetensors")
+    ensure_weights(make_cfg(["--backbone", "hf-hub:org/clip"]))  # its config and its weights
+    assert calls[1:] == [("org/clip", "open_clip_config.json"), ("org/clip", calls[0][1])]
 
 
 def test_grid_fetches_each_backbone_once_before_runs(tiny_clip, server, online):

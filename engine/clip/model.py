@@ -246,10 +246,10 @@ def ensure_weights(cfg) -> str | None:
     name = bb.NAME
     if bb.PATH or not name:
         return path
-    if name.startswith(HF_HUB_PREFIX):
-        if path:
-            return path
-        return weights.hf_hub_file(name[len(HF_HUB_PREFIX) :], HF_WEIGHT_FILES, name, True)
+    if name.startswith(HF_HUB_PREFIX):  # the repository's model config and weights
+        repo = name[len(HF_HUB_PREFIX) :]
+        weights.hf_hub_file(repo, ("open_clip_config.json",), name, download=True)
+        return path or weights.hf_hub_file(repo, HF_WEIGHT_FILES, name, download=True)
     arch, tag = resolve_name(name)
     openai_file = _ARCH_TO_OPENAI_FILE.get(arch) if tag == "openai" else None
     if openai_file and (path is None or path == osp.join(weights.clip_cache_dir(), openai_file)):
