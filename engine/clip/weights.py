@@ -148,7 +148,7 @@ def _failure(what: str, url: str, dest: str, sha256: str, reason: str) -> Downlo
     return DownloadError(
         f"Cannot get the CLIP weights {what} from {url}: {reason}. The file belongs at {dest}. "
         f"Fetch it on a machine with internet access with `python tools/download_weights.py "
-        f"{args}` (same cache path), or by hand: {manual_command(url, dest, sha256)}."
+        f"{args}` (it writes to the same path), or by hand: {manual_command(url, dest, sha256)}."
     )
 
 
@@ -185,13 +185,14 @@ def fetch(url: str, dest: str, sha256: str, what: str = "", progress: bool = Tru
         digest = file_sha256(dest)
         if digest == sha256:
             return dest
-        stale = f"the cached file has SHA256 {digest}, expected {sha256}"
-        logger.warning("%s: %s (damaged or incomplete); fetching it again", dest, stale)
+        stale = f"the cached file has SHA256 {digest}, expected {sha256} (damaged or incomplete)"
     if is_offline():
         reason = "offline (HF_HUB_OFFLINE or SAMPLE_PL_OFFLINE is set), nothing was downloaded"
         if stale:
             reason += f"; {stale}: delete it"
         raise _failure(what, url, dest, sha256, reason)
+    if stale:
+        logger.warning("%s: %s; fetching it again", dest, stale)
     os.makedirs(osp.dirname(dest), exist_ok=True)
     with file_lock(dest + ".lock"):
         if osp.isfile(dest) and file_sha256(dest) == sha256:  # another process fetched it
