@@ -112,8 +112,17 @@ _C.MODEL.BACKBONE = CN()
 _C.MODEL.BACKBONE.NAME = ""  # CLIP architecture: CoOp names (ViT-B/16, RN50, ...) or open_clip
 _C.MODEL.BACKBONE.PRETRAINED = True  # False: random weights (tests and debugging only)
 # CLIP weights file: OpenAI checkpoint (TorchScript or state dict) or open_clip checkpoint. Empty:
-# ~/.cache/clip/<name>.pt, then open_clip's local cache. Nothing is ever downloaded.
+# ~/.cache/clip/<name>.pt (OpenAI's names; downloaded from OpenAI's address, or
+# $SAMPLE_PL_CLIP_MIRROR, on first use and checked against its SHA256), else open_clip's cache
+# (downloaded through open_clip). HF_HUB_OFFLINE=1 or SAMPLE_PL_OFFLINE=1: no download. See
+# docs/weights.md
 _C.MODEL.BACKBONE.PATH = ""
+# Download the weights from this address instead (an internal mirror, a file server; http(s):// or
+# file://), once, into ~/.cache/clip/sha256-<first 16 digits of SHA256>/<file name>; needs SHA256
+_C.MODEL.BACKBONE.URL = ""
+# SHA256 of the file at MODEL.BACKBONE.URL (64 hex digits, as `sha256sum FILE` prints): checked
+# after the download and before each use; a mismatch is an error and keeps nothing
+_C.MODEL.BACKBONE.SHA256 = ""
 _C.MODEL.BACKBONE.CONFIG = ""  # path to an open_clip model-config JSON (custom/tiny architectures)
 # torch.compile the prompt-dependent encoders: auto (reduce-overhead when training on a GPU,
 # off on CPU and for evaluation-only runs) | "" or off | default | reduce-overhead |

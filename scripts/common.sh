@@ -1,8 +1,10 @@
 # Shared by base2new.sh, cross_dataset.sh and domain_gen.sh (sourced, not run).
 #
 # The scripts turn environment variables into a tools/grid.py command and run it: grid.py prints
-# the runs and their folders, checks the data, configs and CLIP weights, skips finished runs,
-# resumes interrupted ones and then runs train.py. The layout is in tools/protocols.py.
+# the runs and their folders, fetches the configured CLIP weights once (downloaded into
+# ~/.cache/clip on first use; SAMPLE_PL_OFFLINE=1: never; docs/weights.md), checks the data,
+# configs and weights, skips finished runs, resumes interrupted ones and then runs train.py. The
+# layout is in tools/protocols.py.
 #
 # Environment [default]:
 #   DATA     dataset root, the folder holding dtd/, imagenet/, ... (required unless --dry-run)

@@ -15,6 +15,9 @@ import trainers  # noqa: F401  (registers the trainers, as train.py does)
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# tests never download CLIP weights (engine/clip/weights.py); the download tests lift this switch
+# around a loopback server of their own
+os.environ.setdefault("SAMPLE_PL_OFFLINE", "1")
 if "SAMPLE_PL_CACHE" not in os.environ:  # caches of the tests never go to the home folder
     import tempfile
 

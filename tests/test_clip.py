@@ -55,14 +55,17 @@ def test_load_openai_torchscript_checkpoint(tiny_clip, tmp_path):
         assert torch.equal(v, loaded.state_dict()[k]), k
 
 
-def test_missing_weights_error_lists_places(tmp_path, monkeypatch):
+def test_missing_weights_error_names_address_cache_and_command(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("SAMPLE_PL_OFFLINE", "1")
     cfg = make_cfg(["--backbone", "ViT-B/16"])
     with pytest.raises(BackboneError) as e:
         load_clip(cfg)
     msg = str(e.value)
-    assert ".cache/clip/ViT-B-16.pt" in msg and "Nothing is downloaded" in msg
+    assert ".cache/clip/ViT-B-16.pt" in msg and "offline" in msg and "\n" not in msg
+    assert "https://openaipublic.azureedge.net/clip/models/5806e77c" in msg
+    assert "curl -fL" in msg and "sha256sum" in msg and "tools/download_weights.py" in msg
     cfg = make_cfg(["MODEL.BACKBONE.PATH", str(tmp_path / "nope.pt")])
     with pytest.raises(BackboneError, match="does not exist"):
         load_clip(cfg)

@@ -78,6 +78,7 @@ from tools.protocols import (  # noqa: E402
     Run,
     Setup,
     base2new_chain,
+    fetch_weights,
     load_epoch,
     preflight,
     run_status,
@@ -661,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
             raise GridError("No dataset root: pass --data DIR or set DATA=/path/to/datasets")
         todo = [c for c in chains if any(run_status(r) != "done" for r in c.runs)]
         if not args.no_check:
+            fetch_weights(todo, setup)  # CLIP weights fetched once, before any run or job starts
             print("Checking data, configs and CLIP weights ...", flush=True)
             problems = preflight(todo, setup, data=not args.no_data_check)
             if problems:

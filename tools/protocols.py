@@ -531,6 +531,42 @@ def check_run_config(run: Run, setup: Setup) -> str | None:
     return None
 
 
+def fetch_weights(chains: list[Chain], setup: Setup) -> None:
+    """Fetch the CLIP weights of ``chains`` once, before any run starts (each distinct
+    ``MODEL.BACKBONE`` once; engine/clip/weights.py: checked, atomic, one download for many
+    processes). A config that does not merge, and a local ``MODEL.BACKBONE.PATH``, are left to
+    :func:`preflight`, which reports them.
+
+    Raises :class:`ProtocolError` with the downloader's paragraph when weights cannot be fetched.
+    """
+    import datasets  # noqa: F401  (registers the readers)
+    import trainers  # noqa: F401  (registers the trainers)
+    from engine.cli import build_parser, setup_cfg
+    from engine.clip.model import ensure_weights
+    from optim.errors import UserError
+
+    seen_runs, seen_backbones = set(), set()
+    for chain in chains:
+        run = chain.train
+        key = (run.trainer, run.config_files, run.optim_file)
+        if key in seen_runs or missing_files(run):
+            continue
+        seen_runs.add(key)
+        try:
+            cfg = setup_cfg(build_parser().parse_args(run.command(setup)[2:]))
+        except Exception:  # reported by preflight
+            continue
+        bb = cfg.MODEL.BACKBONE
+        backbone = (bb.NAME, bb.PATH, bb.URL, bb.SHA256)
+        if not bb.PRETRAINED or bb.PATH or backbone in seen_backbones:
+            continue  # a local file (MODEL.BACKBONE.PATH) is preflight's to check
+        seen_backbones.add(backbone)
+        try:
+            ensure_weights(cfg)
+        except UserError as e:
+            raise ProtocolError(str(e)) from None
+
+
 def preflight(chains: list[Chain], setup: Setup, data: bool = True) -> list[str]:
     """Problems that would stop runs of ``chains``: data, configs, weights (each checked once)."""
     problems = []

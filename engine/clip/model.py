@@ -1,16 +1,21 @@
-"""Loading CLIP (open_clip_torch models) from local files only.
+"""Building CLIP (open_clip_torch models) and reading its weights.
 
 ``MODEL.BACKBONE.NAME`` takes CoOp's names ("ViT-B/16", "ViT-B/32", "RN50", ...), open_clip
-architecture names ("ViT-B-16") or ``arch:tag`` ("ViT-B-16:laion2b_s34b_b88k"). Weights come from
+architecture names ("ViT-B-16"), ``arch:tag`` ("ViT-B-16:laion2b_s34b_b88k") or
+``hf-hub:org/name``. Weights come from (:func:`ensure_weights`; docs/weights.md)
 
 1. ``MODEL.BACKBONE.PATH``: an OpenAI checkpoint (TorchScript archive or plain state dict) or an
    open_clip checkpoint (state dict, optionally under "state_dict", with or without "module.");
-2. else ``~/.cache/clip/<name>.pt``, where OpenAI's clip package keeps its downloads;
-3. else open_clip's local Hugging Face cache for the architecture and tag.
+2. ``MODEL.BACKBONE.URL`` (with ``MODEL.BACKBONE.SHA256``): downloaded once into ~/.cache/clip;
+3. else ``~/.cache/clip/<name>.pt``, where OpenAI's clip package keeps its downloads (checked
+   against its SHA256; downloaded from OpenAI's address, or ``$SAMPLE_PL_CLIP_MIRROR``, when
+   missing or damaged);
+4. else open_clip's Hugging Face cache for the architecture and tag (downloaded through
+   open_clip/huggingface_hub when missing).
 
-Nothing is ever downloaded: when no file is found the error lists the places searched.
-``MODEL.BACKBONE.CONFIG`` points to an open_clip model-config JSON for custom or tiny
-architectures. OpenAI weights use QuickGELU, as they were trained with it.
+With ``HF_HUB_OFFLINE=1`` or ``SAMPLE_PL_OFFLINE=1`` nothing is downloaded (engine/clip/weights.py
+does the downloads). ``MODEL.BACKBONE.CONFIG`` points to an open_clip model-config JSON for custom
+or tiny architectures. OpenAI weights use QuickGELU, as they were trained with it.
 
 Precision: "fp16" stores the weights in half precision the way OpenAI's clip package does
 (linear/conv/attention weights fp16; layer norms computed in fp32); every other mode keeps fp32
@@ -31,7 +36,8 @@ import zipfile
 
 import torch
 
-from optim.errors import UserError
+from . import weights
+from .weights import BackboneError
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +124,15 @@ def resolve_path(path: str) -> str:
     return path
 
 
-class BackboneError(UserError, RuntimeError):
-    """The CLIP backbone cannot be built or its weights cannot be found/loaded."""
+HF_HUB_PREFIX = "hf-hub:"
+HF_WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
 
 def resolve_name(name: str) -> tuple[str, str]:
-    """``(open_clip architecture, pretrained tag)`` for a backbone name."""
+    """``(open_clip architecture, pretrained tag)`` for a backbone name (``hf-hub:org/name``:
+    ``("hf-hub:org/name", "")``)."""
+    if name.startswith(HF_HUB_PREFIX):
+        return name, ""
     if name in OPENAI_MODELS:
         return OPENAI_MODELS[name][0], "openai"
     if ":" in name:
@@ -146,6 +155,12 @@ def _model_config(cfg) -> tuple[dict, str]:
         raise BackboneError(
             "MODEL.BACKBONE.NAME is empty: set it (e.g. ViT-B/16) or give MODEL.BACKBONE.CONFIG"
         )
+    if name.startswith(HF_HUB_PREFIX):  # the repository's open_clip_config.json
+        repo = name[len(HF_HUB_PREFIX) :]
+        found = weights.hf_hub_file(repo, ("open_clip_config.json",), name, download=True)
+        with open(found) as f:
+            hub_cfg = json.load(f)
+        return copy.deepcopy(hub_cfg.get("model_cfg", hub_cfg)), name
     arch, tag = resolve_name(name)
     model_cfg = open_clip.get_model_config(arch)
     if model_cfg is None:
@@ -169,12 +184,20 @@ def find_weights(cfg) -> tuple[str | None, list[str]]:
         if osp.isfile(path):
             return path, [path]
         raise BackboneError(f"MODEL.BACKBONE.PATH does not exist: {path}")
+    url = cfg.MODEL.BACKBONE.URL
+    if url:
+        cand = weights.url_cache_path(url, cfg.MODEL.BACKBONE.SHA256)
+        return (cand if osp.isfile(cand) else None), [cand]
     name = cfg.MODEL.BACKBONE.NAME
     if not name:
         return None, searched
+    if name.startswith(HF_HUB_PREFIX):
+        repo = name[len(HF_HUB_PREFIX) :]
+        searched.extend(f"Hugging Face cache: {repo}/{f}" for f in HF_WEIGHT_FILES)
+        return weights.hf_hub_file(repo, HF_WEIGHT_FILES, name, download=False), searched
     arch, tag = resolve_name(name)
     if tag == "openai" and arch in _ARCH_TO_OPENAI_FILE:
-        cand = osp.join(osp.expanduser("~/.cache/clip"), _ARCH_TO_OPENAI_FILE[arch])
+        cand = osp.join(weights.clip_cache_dir(), _ARCH_TO_OPENAI_FILE[arch])
         searched.append(cand)
         if osp.isfile(cand):
             return cand, searched
@@ -193,7 +216,7 @@ def find_weights(cfg) -> tuple[str | None, list[str]]:
                 if isinstance(found, str) and osp.isfile(found):
                     return found, searched
     if pcfg.get("url"):
-        cand = osp.join(osp.expanduser("~/.cache/clip"), osp.basename(pcfg["url"]))
+        cand = osp.join(weights.clip_cache_dir(), osp.basename(pcfg["url"]))
         if cand not in searched:
             searched.append(cand)
             if osp.isfile(cand):
@@ -201,8 +224,86 @@ def find_weights(cfg) -> tuple[str | None, list[str]]:
     return None, searched
 
 
+def ensure_weights(cfg) -> str | None:
+    """The weights file of ``cfg.MODEL.BACKBONE``, downloaded when it is missing or damaged.
+
+    ``MODEL.BACKBONE.PATH`` is taken as it is; ``MODEL.BACKBONE.URL`` is fetched into the cache;
+    OpenAI's names are checked against their SHA256 in ``~/.cache/clip`` (open_clip's Hugging Face
+    cache is used when it holds them and ``~/.cache/clip`` does not) and downloaded when missing;
+    other open_clip tags come from open_clip's cache or through open_clip. Returns None only when
+    there is nothing to fetch (no name, URL or path). Raises :class:`BackboneError` (a
+    :class:`~engine.clip.weights.DownloadError` when a file cannot be fetched).
+    """
+    bb = cfg.MODEL.BACKBONE
+    if bb.URL:
+        if bb.PATH:
+            raise BackboneError(
+                f"MODEL.BACKBONE.PATH ({bb.PATH}) and MODEL.BACKBONE.URL ({bb.URL}) are both set: "
+                "keep the one the weights should come from"
+            )
+        return weights.fetch_url(bb.URL, bb.SHA256)
+    path, _ = find_weights(cfg)
+    name = bb.NAME
+    if bb.PATH or not name:
+        return path
+    if name.startswith(HF_HUB_PREFIX):  # the repository's model config and weights
+        repo = name[len(HF_HUB_PREFIX) :]
+        weights.hf_hub_file(repo, ("open_clip_config.json",), name, download=True)
+        return path or weights.hf_hub_file(repo, HF_WEIGHT_FILES, name, download=True)
+    arch, tag = resolve_name(name)
+    openai_file = _ARCH_TO_OPENAI_FILE.get(arch) if tag == "openai" else None
+    if openai_file and (path is None or path == osp.join(weights.clip_cache_dir(), openai_file)):
+        return weights.fetch_openai(openai_file, name)  # checks (or fetches) the cached copy
+    if path:
+        return path
+    pcfg = open_clip.get_pretrained_cfg(arch, tag)
+    if not pcfg:
+        tags = ", ".join(open_clip.list_pretrained_tags_by_model(arch)) or "none"
+        raise BackboneError(
+            f"open_clip has no pretrained weights {name!r} (tags of {arch}: {tags}). Give "
+            "MODEL.BACKBONE.NAME as arch:tag, MODEL.BACKBONE.PATH or MODEL.BACKBONE.URL"
+        )
+    return weights.fetch_open_clip(pcfg, name)
+
+
+class UnusableWeightsError(BackboneError):
+    """A weights file that is not a usable checkpoint (empty, truncated, refused)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(
+            f"The CLIP weights file {path} is not a usable checkpoint: {reason}. It may be cut "
+            "short by an interrupted copy or download, damaged, or not a CLIP checkpoint at all. "
+            "Delete it and fetch it again (`python tools/download_weights.py NAME` for a name in "
+            "MODEL.BACKBONE.NAME; the download checks the file's SHA256), or point "
+            "MODEL.BACKBONE.PATH to a good copy."
+        )
+
+
+def _first_line(error: Exception) -> str:
+    """The first sentence of an error message (readers' messages run over several lines)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0].split(". ")[0].rstrip(":. ") if lines else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def read_state_dict(path: str) -> tuple[dict, bool]:
-    """Read a CLIP checkpoint; returns ``(state_dict, is_torchscript)``."""
+    """Read a CLIP checkpoint; returns ``(state_dict, is_torchscript)``.
+
+    A file that cannot be read raises :class:`UnusableWeightsError` (one paragraph naming the file
+    and the fix). TorchScript archives are read with the TorchScript reader, which refuses
+    archives that refer to anything but TorchScript types and tensors (a crafted file).
+    """
+    if osp.getsize(path) == 0:
+        raise UnusableWeightsError(path, "the file is empty (0 bytes)")
+    try:
+        return _read_state_dict(path)
+    except BackboneError:
+        raise
+    except Exception as e:
+        raise UnusableWeightsError(path, _first_line(e)) from None
+
+
+def _read_state_dict(path: str) -> tuple[dict, bool]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
@@ -210,12 +311,13 @@ def read_state_dict(path: str) -> tuple[dict, bool]:
     if _is_torchscript(path):  # OpenAI's released checkpoints are TorchScript archives
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            jit = torch.jit.load(path, map_location="cpu")
+            try:
+                jit = torch.jit.load(path, map_location="cpu")
+            except RuntimeError as e:
+                reason = f"the TorchScript reader refused it ({_first_line(e)}): damaged or crafted"
+                raise UnusableWeightsError(path, reason) from None
         return {k: v for k, v in jit.state_dict().items()}, True
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise BackboneError(f"Cannot read CLIP weights from {path}: {e}") from e
+    obj = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
@@ -275,7 +377,7 @@ def build_clip(model_cfg: dict, precision: str = "fp32") -> CLIP:
 
 
 def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
-    """Build the frozen CLIP of ``cfg.MODEL.BACKBONE`` (weights from local files only).
+    """Build the frozen CLIP of ``cfg.MODEL.BACKBONE`` (weights: :func:`ensure_weights`).
 
     Args:
         cfg: the config.
@@ -286,14 +388,12 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
         An open_clip ``CLIP`` in eval mode with ``requires_grad=False`` everywhere.
     """
     bb = cfg.MODEL.BACKBONE
-    path, searched = (None, []) if not bb.PRETRAINED else find_weights(cfg)
+    path = ensure_weights(cfg) if bb.PRETRAINED else None
     if bb.PRETRAINED and path is None:
-        where = "\n  ".join(searched) if searched else "(no name or path given)"
         raise BackboneError(
-            f"No CLIP weights found for MODEL.BACKBONE.NAME={bb.NAME!r}. Searched:\n  {where}\n"
-            "Nothing is downloaded at run time. Put OpenAI's checkpoint in ~/.cache/clip/ "
-            "(e.g. ViT-B-16.pt from the openai/CLIP release URLs) or set MODEL.BACKBONE.PATH "
-            "to a local OpenAI or open_clip checkpoint."
+            "No CLIP weights: MODEL.BACKBONE.NAME, PATH and URL are empty. Set MODEL.BACKBONE.NAME "
+            "(e.g. ViT-B/16), MODEL.BACKBONE.PATH to a local OpenAI or open_clip checkpoint, or "
+            "MODEL.BACKBONE.PRETRAINED False for random weights."
         )
     if path is None:
         model_cfg, source = _model_config(cfg)
