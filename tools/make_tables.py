@@ -26,7 +26,7 @@ Default pairs: each sharpness-aware row against its trainer's base-optimizer (``
 seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
 report (``tools/report.py``).
 
-Reproduction modes (README, "What reproduces what"): ``--repro paper``, ``--repro released`` or
+Reproduction modes (docs/reproducing.md): ``--repro paper``, ``--repro released`` or
 both (the default: every mode that has run folders). When runs of the ``released`` mode are in
 the tables, every row carries its mode (``CoOp+SAMPLe [paper]``, ``CoOp+SAMPLe [released]``; the
 folders are kept apart by their ``released`` tag) and each mode's row is compared with the
