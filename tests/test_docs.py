@@ -132,14 +132,18 @@ def tool_of(words: list[str]) -> tuple[str | None, list[str]]:
 
 @cache
 def help_text(tool: str) -> str:
-    """``tool --help`` (``train.py`` or ``tools/<name>.py``), from its parser in this process."""
+    """``tool --help`` (``train.py`` or ``tools/<name>.py``): from its parser in this process
+    (``build_parser()`` or ``main(["--help"])``), else from running it."""
     module = importlib.import_module(tool[:-3].replace("/", "."))
     if hasattr(module, "build_parser"):
         return module.build_parser().format_help()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        module.main(["--help"])
-    return out.getvalue()
+    if hasattr(module, "main"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            module.main(["--help"])
+        return out.getvalue()
+    cmd = [sys.executable, osp.join(ROOT, tool), "--help"]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
 
 
 @cache
@@ -189,7 +193,9 @@ def static_problems(block: Block, root: str = ROOT) -> list[str]:
             continue
         for arg in args:
             flag = arg.split("=", 1)[0]
-            if not flag.startswith("--") or flag == "--":
+            if flag == "--":  # what follows goes on to train.py as KEY VALUE options
+                break
+            if not flag.startswith("--"):
                 continue
             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text(tool)):
                 problems.append(f"{flag}: not an option of {tool} (see its --help)")
@@ -213,6 +219,7 @@ def test_static_check_catches_a_bad_flag_a_bad_key_and_a_missing_file():
         "python train.py --root $DATA --sed 1 \\\n"
         "  --config-file configs/trainers/CoOp/no_such.yaml OPTIM.NO_SUCH_KEY 2 # OPTIM.X 1\n"
         "python tools/make_tables.py --no-such-table-flag | tail -n 3\n"
+        "python tools/grid.py --preset paper --dry-run -- --trainer-flag OPTIM.SAM.NAMEE sam\n"
         'EXTRA_OPTS="MODEL.NO_SUCH 1" bash scripts/SAMPLe/main.sh; if then\n'
     )
     found = "\n".join(static_problems(Block("x.md", 1, 1, text, "r")))
@@ -224,10 +231,12 @@ def test_static_check_catches_a_bad_flag_a_bad_key_and_a_missing_file():
         "OPTIM.NO_SUCH_KEY: not a config key",
         "--no-such-table-flag: not an option of tools/make_tables.py",
         "MODEL.NO_SUCH: not a config key",
+        "OPTIM.SAM.NAMEE: not a config key",
         "bash syntax",
     ):
         assert problem in found, f"{problem!r} not reported in:\n{found}"
     assert "OPTIM.X" not in found  # comments are not checked
+    assert "--trainer-flag" not in found  # after "--": options of the runs, not of the tool
 
 
 def test_blocks_are_found_with_their_markers():
