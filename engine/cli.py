@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("paper", "released"),
         default="",
         help="reproduction mode (REPRODUCTION): paper (default) or released, an emulation of the "
-        "SAMPLe authors' released code (configs/repro/; README, 'What reproduces what')",
+        "SAMPLe authors' released code (configs/repro/; docs/reproducing.md)",
     )
     parser.add_argument(
         "--overwrite",

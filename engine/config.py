@@ -27,7 +27,7 @@ _C.RESUME = ""  # folder to resume from; empty means OUTPUT_DIR (re-running a ru
 _C.SEED = -1  # random seed for random/numpy/torch; any value >= 0 (0 included) fixes it
 _C.USE_CUDA = True  # use the GPU when one is available
 _C.VERBOSE = True  # print the dataset summary table and other details
-# Reproduction mode (README, "What reproduces what"): "paper" trains the method as the paper
+# Reproduction mode (docs/reproducing.md): "paper" trains the method as the paper
 # writes it (the config files as they are); "released" emulates the training of the SAMPLe
 # authors' released code, behaviour for behaviour (the overlay configs/repro/released.yaml and
 # configs/repro/released/<TRAINER>.yaml, merged after the config files; command-line KEY VALUE
@@ -165,7 +165,7 @@ _C.OPTIM.WARMUP_RECOUNT = True  # restart the main schedule's epoch count after 
 # scheduler also steps after every batch (on top of the step at the end of each epoch), so the
 # epoch-based schedule advances batches + 1 times per epoch (the `released` reproduction mode)
 _C.OPTIM.LR_STEP_PER_BATCH = False
-# Sharpness-aware wrapper around the base optimizer (see optim/ and the README's table).
+# Sharpness-aware wrapper around the base optimizer (see optim/ and docs/optimizers.md).
 _C.OPTIM.SAM = CN()
 _C.OPTIM.SAM.NAME = ""  # "" (plain base optimizer) | sam | fsam | sagm | sample
 # paper (the equations as written) | reference (the released code) | reference-cocoop (sample

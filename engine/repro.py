@@ -1,4 +1,4 @@
-"""Reproduction modes: ``paper`` and ``released`` (README, section "What reproduces what").
+"""Reproduction modes: ``paper`` and ``released`` (docs/reproducing.md).
 
 A mode is the config key ``REPRODUCTION`` plus an overlay of config files merged after the
 trainer, dataset and optimizer config files and before the command line's ``KEY VALUE``
@@ -27,7 +27,7 @@ REPRO_DIR = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), "configs",
 def overlay_files(mode: str, trainer: str = "", optim: str = "") -> list[str]:
     """The overlay files of ``mode`` for ``trainer`` and optimizer ``optim``, in merge order."""
     if mode not in MODES:
-        raise ConfigError(f"REPRODUCTION {mode!r}: one of {', '.join(MODES)} (see README)")
+        raise ConfigError(f"REPRODUCTION {mode!r}: one of {', '.join(MODES)} (docs/reproducing.md)")
     files = [osp.join(REPRO_DIR, f"{mode}.yaml")]
     if trainer:
         files.append(osp.join(REPRO_DIR, mode, f"{trainer}.yaml"))

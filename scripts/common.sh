@@ -16,7 +16,7 @@
 #   REPRO    [released] reproduction mode: released (the SAMPLe authors' released code
 #                      emulated, judged the likelier to reproduce the published tables; folders
 #                      tagged "released"), paper (the method as the paper writes it; CoOp's
-#                      folders) or "paper released"; README, section "What reproduces what"
+#                      folders) or "paper released"; docs/reproducing.md
 #   PYTHON   [python]
 # Arguments: [grid.py options such as --dry-run --commands --gpus=auto --quiet] ...
 #            [KEY VALUE ...]  config options for every train.py run (e.g. MODEL.BACKBONE.PATH f)

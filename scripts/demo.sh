@@ -21,7 +21,7 @@
 #                                         its own folders, tag "ep<N>")
 #   DEMO_SHOTS   [16]                     training images per base class
 #   DEMO_OPTIMS  [sgd sam sagm sample]    optimizers (sgd = CoOp's own SGD)
-#   DEMO_REPRO   [paper]                  reproduction mode (README, "What reproduces what"):
+#   DEMO_REPRO   [paper]                  reproduction mode (docs/reproducing.md):
 #                                         paper, or released (the SAMPLe authors' released code
 #                                         emulated: its own folders, tag "released", and plots
 #                                         in $DEMO_OUTPUT/plots-released). The table shows every

@@ -84,6 +84,50 @@ def test_tools_do_not_repeat_the_sys_path_prologue():
     assert not offenders
 
 
+def _tool_imports(path: str) -> set[str]:
+    """The ``tools`` modules a tool imports (``from tools.x import``, ``from tools import x``),
+    lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("tools."):
+                found.add(node.module.split(".")[1])
+            elif node.module == "tools":
+                found.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("tools."))
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> imported modules), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [])):
+            return found
+    return []
+
+
+def test_tools_import_each_other_without_a_cycle():
+    folder = osp.join(ROOT, "tools")
+    files = [f for f in os.listdir(folder) if f.endswith(".py")]
+    graph = {f[:-3]: _tool_imports(osp.join(folder, f)) for f in files}
+    assert _cycle(graph) == [], f"import cycle among tools: {' -> '.join(_cycle(graph))}"
+    assert "report" not in graph["tables_model"] and "make_tables" not in graph["report"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check
+
+
 # -- models without datasets -------------------------------------------------------------------
 CLASSES = ["red circle", "blue square", "green_triangle"]
 TRAINABLE = [n for n in sorted(TRAINER_REGISTRY) if not n.startswith("Zeroshot")]

@@ -67,7 +67,7 @@ def _chains(setup, **axes):
 # -- layout and expansion -----------------------------------------------------------------------
 def test_paper_grid_dry_run(tmp_path, capsys):
     out = str(tmp_path / "output")
-    # the paper's grids run the released code's emulation by default (README)
+    # the paper's grids run the released code's emulation by default (docs/reproducing.md)
     assert grid.main(["--preset", "paper", "--dry-run", "--output", out]) == 0
     text = capsys.readouterr().out
     assert "2100 runs in 855 chains" in text

@@ -35,11 +35,11 @@ Everything after ``--`` is passed to every train.py command as KEY VALUE options
 change the experiment belong with a ``--tag``, or their runs share the default folders).
 
 ``--repro paper|released`` (both: ``--repro paper released``; default ``$REPRO``) picks the
-reproduction mode (README, "What reproduces what"): ``paper`` keeps the folders above,
+reproduction mode (docs/reproducing.md): ``paper`` keeps the folders above,
 ``released`` (an emulation of the SAMPLe authors' released code) runs ``train.py --repro
 released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, the
 paper's grids (``--preset paper*``) run ``released``, the mode judged more likely to reproduce
-the published tables (README); other grids run ``paper``.
+the published tables (docs/reproducing.md); other grids run ``paper``.
 """
 
 from __future__ import annotations

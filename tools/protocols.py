@@ -12,7 +12,7 @@ component (``{cfg}`` -> ``{cfg}+{optim}``; plain ``sgd`` runs keep CoOp's exact 
 Cross-dataset (10 targets) and domain generalization (4 ImageNet variants) evaluate the same
 ImageNet training runs. A ``tag`` (for runs whose extra options change the experiment, e.g. a
 rho sweep) makes the component ``{cfg}+{optim}-{tag}``. Config names must not contain ``+``.
-The reproduction mode (``Setup.repro``, README "What reproduces what"): ``paper`` runs keep the
+The reproduction mode (``Setup.repro``, docs/reproducing.md): ``paper`` runs keep the
 folders above; ``released`` runs (``train.py --repro released``) carry the tag ``released``
 first (``{cfg}+{optim}-released``, sgd runs too: ``{cfg}+sgd-released``), so the two modes
 never share a folder or a table cell.

@@ -26,12 +26,12 @@ import os
 import os.path as osp
 import urllib.parse
 
-from tools.make_tables import MARK, DiffCell, Results, Table, legend, render_rows
 from tools.paper_results import DATASET_TITLES, paper_value, row_title
 from tools.parse_results import log_files, read_run
 from tools.plotting import color_of, pyplot
 from tools.protocols import SOURCE_DATASET
 from tools.stats import describe_methods, per_seed_hm
+from tools.tables_model import MARK, DiffCell, Results, Table, legend, render_rows
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }
