@@ -448,6 +448,12 @@ def inspect_folder(root: str, folder: str, shots: int = 16) -> tuple[list[str], 
                         f"class(es) {', '.join(low[:5])} have fewer than {2 * shots} images: "
                         f"too few for {shots} training shots after the split"
                     )
+        if set(lists) == set(SPLITS):
+            notes.append("the lists are the split")
+        elif layout.has_split_file(root):
+            notes.append(f"split: {layout.split_file} (made by an earlier run, or yours)")
+        else:
+            notes.append(f"no {layout.split_file} yet: the first run makes and saves the split")
     except DataError as e:
         problems.append(str(e))
     return problems, notes
