@@ -24,8 +24,8 @@ once and saved in CoOp's format as ``split_zhou_<folder name>.json`` in the data
 the per-user cache when the folder is read-only), and reused by every later run: from the class
 folders 50% train, 20% val and 30% test of each class; from train and test lists, 20% of each
 class of the train list as val. The split uses ``SEED`` (0 when unseeded) of the run that makes
-it. Delete the file after adding or removing images to have a new split made (a run warns when
-the images differ from the file's).
+it. Delete the file after adding or removing images or editing ``classnames.txt`` to have a new
+split made (a run from class folders warns when they differ from the file).
 
 Base-to-new halves, few-shot caches and the protocols work as for the built-in readers. A class
 with fewer training images than ``DATASET.NUM_SHOTS`` stops the run with a DataError naming it
@@ -351,20 +351,39 @@ class Folder(CoOpDataset):
         return splits["train"], splits["val"], splits["test"]
 
     def warn_if_changed(self, splits, scanned: dict[str, list[str]]) -> None:
-        """A warning when the class folders hold other images than the split file lists."""
+        """A warning when the class folders hold other images, or ``classnames.txt`` other
+        class names, than the split file (made before they changed)."""
         listed = {d.impath for items in splits for d in items}
         present = {p for images in scanned.values() for p in images}
         added, gone = len(present - listed), len(listed - present)
+        fix = "delete the split file to have a new split made"
         if added or gone:
             logger.warning(
                 "%s: %d image(s) in %s/ are not in the split file %s and %d it lists are not "
-                "there: delete the file to have a new split made from the current images",
+                "there: %s from the current images",
                 self.layout.name,
                 added,
                 IMAGES,
                 self.layout.split_file,
                 gone,
+                fix,
             )
+        if osp.isfile(osp.join(self.dataset_dir, CLASSNAMES)):
+            try:
+                wanted = [name for _, name in class_table(self.dataset_dir, scanned)]
+            except DataError as e:
+                logger.warning("%s: %s", self.layout.name, e)
+                return
+            names = dict(sorted({(d.label, d.classname) for items in splits for d in items}))
+            if list(names.values()) != wanted:
+                logger.warning(
+                    "%s: the class names or their order in %s differ from the split file %s "
+                    "(which the run uses): %s with the new names",
+                    self.layout.name,
+                    CLASSNAMES,
+                    self.layout.split_file,
+                    fix,
+                )
 
     def check_splits(self, cfg, train, val, test) -> None:
         """Every class must have DATASET.NUM_SHOTS training images (DataError otherwise)."""
