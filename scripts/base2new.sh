@@ -5,7 +5,8 @@
 #
 # Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]
 #   DATASET: a config stem of configs/datasets/ (dtd, eurosat, imagenet, ...), "all" (the 11)
-#            or folder:NAME, your own images in DATA/NAME (docs/own-dataset.md)
+#            folder:NAME (your own images in DATA/NAME) or a dataset config file PATH.yaml of
+#            your own (docs/own-dataset.md)
 #
 #   DATA=/data TRAINER=CoOp OPTIM=sample bash scripts/base2new.sh dtd
 #   DATA=/data OPTIM="sgd sample" SEEDS=1 bash scripts/base2new.sh --gpus=auto all
@@ -18,7 +19,8 @@
 #   with the default REPRO=released: CFG+OPTIM-released (sgd: CFG+sgd-released)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 split_args "$@"
-if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:*) ]]; then
+if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:* \
+      && "${REST[0]}" != *.yaml) ]]; then
   echo "Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]" >&2
   echo "  DATASET: a name in configs/datasets/ (e.g. dtd), 'all', or folder:NAME (DATA/NAME)" >&2
   exit 2

@@ -18,7 +18,7 @@ from datasets.folder import inspect_folder
 from datasets.synthetic import FOLDER_FORMATS, make_folder_dataset, make_image_folder
 from engine.data import build_dataset
 from engine.errors import ConfigError, DataError
-from tools import check_data, grid, make_tables
+from tools import check_data, grid, make_tables, protocols
 from tools.parse_results import read_run
 from tools.protocols import ProtocolError, Setup
 
@@ -273,6 +273,21 @@ def test_grid_names_folder_datasets(tmp_path):
     )
     assert grid.setup_from_args(args).plugins == (osp.abspath("r.py"), "m.x")
 
+    # a dataset config file of one's own (e.g. naming a plugin's reader)
+    own = tmp_path / "cfgs" / "my_animals.yaml"
+    own.parent.mkdir()
+    own.write_text("DATASET:\n  NAME: MyAnimals\n")
+    grids = grid.select(None, trainers=["CoOp"], datasets=[str(own)], seeds=[1])
+    (chain,) = grid.expand(grids, setup)
+    cmd = chain.train.command(setup)
+    assert cmd[cmd.index("--dataset-config-file") + 1] == str(own)
+    assert "/train_base/my_animals/shots_4/" in chain.train.out_dir
+    assert protocols.dataset_registry_name(str(own)) == "MyAnimals"
+    own.write_text("DATASET:\n  NAME: Folder\n  FOLDER: birds\n")
+    assert protocols.dataset_registry_name(str(own)) == "folder:birds"
+    with pytest.raises(ProtocolError, match="built-in dataset's name"):
+        protocols.dataset_dir(str(tmp_path / "dtd.yaml"))
+
 
 READER = '''
 from datasets.common import CoOpDataset, Layout
@@ -332,8 +347,6 @@ def test_a_reader_in_a_plugin_file(tmp_path, monkeypatch, capsys):
 
 
 def test_the_grid_checks_folder_datasets_with_its_plugins(monkeypatch):
-    from tools import protocols
-
     seen = []
 
     def fake_run(cmd, **kwargs):

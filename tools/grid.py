@@ -31,8 +31,9 @@ Examples::
     python tools/grid.py --preset sweep-rho --trainers CoOp --datasets dtd \
         --sweep OPTIM.SAM.RHO 0.02 0.1 --data DATA   # own values; tools/plot_sweep.py plots them
 
-Datasets (``--datasets``, ``--xd-targets``) are config stems of ``configs/datasets/`` or
-``folder:NAME``: your own images in ``DATA/NAME`` (``DATASET.NAME Folder``; docs/own-dataset.md).
+Datasets (``--datasets``, ``--xd-targets``) are config stems of ``configs/datasets/``,
+``folder:NAME`` (your own images in ``DATA/NAME``, ``DATASET.NAME Folder``) or paths of dataset
+config files of one's own (``my/birds.yaml``; docs/own-dataset.md).
 ``--plugin FILE.py|MODULE`` (repeatable) is given to every train.py command and to the data
 check, so a user's own trainer, reader or optimizer runs without an edit of the project (as
 ``$SAMPLE_PL_PLUGINS`` does for every process).
@@ -479,8 +480,8 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--datasets",
         nargs="+",
-        help="base-to-new datasets (default: the 11): config stems, or folder:NAME for your own "
-        "images in DATA/NAME",
+        help="base-to-new datasets (default: the 11): config stems, folder:NAME for your own "
+        "images in DATA/NAME, or a dataset config file PATH.yaml",
     )
     g.add_argument("--seeds", nargs="+", type=int, help="any seeds >= 0 (default: 1 2 3)")
     g.add_argument(

@@ -20,10 +20,11 @@ A chain's ``variant`` (KEY VALUE options of one point of a sweep, see ``tools/gr
 passed to all its runs and named in the tag (:func:`options_tag`: ``OPTIM.SAM.RHO 0.1`` ->
 ``rho0.1``; after the ``--tag``, if any: ``{tag}_rho0.1``), so sweep points never share a folder.
 
-A dataset is a config stem of ``configs/datasets/`` or ``folder:<name>``, the folder dataset
+A dataset is a config stem of ``configs/datasets/``; or ``folder:<name>``, the folder dataset
 ``DATA/<name>`` (``DATASET.NAME Folder``, ``datasets/folder.py``): its runs use
-``configs/datasets/folder.yaml`` with ``DATASET.FOLDER <name>``, and ``<name>`` is its
-``{dataset}`` / ``{target}`` in the folders above.
+``configs/datasets/folder.yaml`` with ``DATASET.FOLDER <name>``; or the path of a dataset config
+file of one's own, ``path/<stem>.yaml`` (e.g. naming a plugin's reader). ``<name>`` / ``<stem>``
+is its ``{dataset}`` / ``{target}`` in the folders above.
 
 Every training run gets ``DATALOADER.TRAIN_X.DROP_LAST True`` (:data:`TRAIN_OPTS`: Dassl's
 loader, as in the code bases that produced the published numbers).
@@ -299,30 +300,46 @@ def transfer_dirs(setup: Setup, trainer: str, comp: str, seed: int, target: str)
 
 
 # -- datasets and config files ----------------------------------------------------------------
+def _run_folder_name(dataset: str, name: str, what: str) -> str:
+    """``name`` if it can name a dataset's run folders; ProtocolError otherwise."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ProtocolError(
+            f"Dataset {dataset!r}: the {what} may hold letters, digits and _ . - only (it names "
+            "the run folders); rename it or link it under such a name"
+        )
+    if name != FOLDER_CONFIG and osp.isfile(osp.join(REPO, "configs", "datasets", f"{name}.yaml")):
+        raise ProtocolError(
+            f"Dataset {dataset!r}: {name!r} is a built-in dataset's name, whose run folders it "
+            f"would share; rename your {what} (or use the built-in dataset: --datasets {name})"
+        )
+    return name
+
+
 def folder_of(dataset: str) -> str | None:
-    """The folder of a folder dataset ``folder:<name>`` (None for a config stem).
+    """The folder of a folder dataset ``folder:<name>`` (None for other datasets).
 
     Raises:
         ProtocolError: a name that cannot be a run folder's name, or one of a built-in dataset.
     """
     if not dataset.startswith(FOLDER_PREFIX):
         return None
-    name = dataset[len(FOLDER_PREFIX) :]
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
-        raise ProtocolError(
-            f"Dataset {dataset!r}: the folder name (under --data) may hold letters, digits and "
-            "_ . - only (it names the run folders); rename the folder or link it under such a name"
-        )
-    if name != FOLDER_CONFIG and osp.isfile(osp.join(REPO, dataset_config(name))):
-        raise ProtocolError(
-            f"Dataset {dataset!r}: {name!r} is a built-in dataset's name, whose run folders it "
-            f"would share; rename your folder (or use the built-in dataset: --datasets {name})"
-        )
-    return name
+    return _run_folder_name(dataset, dataset[len(FOLDER_PREFIX) :], "folder name (under --data)")
+
+
+def own_config(dataset: str) -> str | None:
+    """The absolute path of a dataset given by its own config file (``path/x.yaml``, e.g. for a
+    plugin's reader), else None."""
+    if not dataset.endswith((".yaml", ".yml")):
+        return None
+    return osp.abspath(osp.expanduser(dataset))
 
 
 def dataset_dir(dataset: str) -> str:
-    """The component that names a dataset in the run folders: the stem, or the folder name."""
+    """The component that names a dataset in the run folders: the config stem, the folder name
+    of ``folder:<name>``, or the file stem of a config file ``path/<stem>.yaml``."""
+    path = own_config(dataset)
+    if path:
+        return _run_folder_name(dataset, osp.splitext(osp.basename(path))[0], "config file's name")
     return folder_of(dataset) or dataset
 
 
@@ -340,7 +357,10 @@ def dataset_opts(dataset: str) -> tuple[str, ...]:
 
 def dataset_config(stem: str) -> str:
     """``configs/datasets/<stem>.yaml`` (relative to the repository); ``folder.yaml`` for a
-    folder dataset ``folder:<name>``."""
+    folder dataset ``folder:<name>``; the absolute path of a config file ``path/x.yaml``."""
+    path = own_config(stem)
+    if path:
+        return path
     if folder_of(stem):
         stem = FOLDER_CONFIG
     return osp.join("configs", "datasets", f"{stem}.yaml")
@@ -518,8 +538,9 @@ def load_epoch(train_dir: str) -> int:
 
 # -- pre-flight checks ------------------------------------------------------------------------
 def dataset_registry_name(stem: str) -> str:
-    """``DATASET.NAME`` of ``configs/datasets/<stem>.yaml``; a folder dataset keeps its name
-    ``folder:<name>`` (what ``tools/check_data.py`` checks)."""
+    """The name ``tools/check_data.py`` checks: ``DATASET.NAME`` of the dataset's config file,
+    ``folder:<name>`` for a folder dataset (``folder:<FOLDER>`` when the file sets ``DATASET.NAME
+    Folder`` and ``DATASET.FOLDER``)."""
     import yaml
 
     if folder_of(stem):
@@ -527,11 +548,17 @@ def dataset_registry_name(stem: str) -> str:
     path = osp.join(REPO, dataset_config(stem))
     if not osp.isfile(path):
         have = sorted(osp.splitext(p)[0] for p in os.listdir(osp.join(REPO, "configs", "datasets")))
-        raise ProtocolError(f"Unknown dataset {stem!r}: no {path} (available: {', '.join(have)})")
+        raise ProtocolError(
+            f"Unknown dataset {stem!r}: no {path} (available: {', '.join(have)}, "
+            "folder:<name> for your images in DATA/<name>, or the path of a dataset config file)"
+        )
     with open(path) as f:
-        name = ((yaml.safe_load(f) or {}).get("DATASET") or {}).get("NAME")
+        node = (yaml.safe_load(f) or {}).get("DATASET") or {}
+    name = node.get("NAME")
     if not name:
         raise ProtocolError(f"{path} sets no DATASET.NAME")
+    if name == "Folder" and node.get("FOLDER"):
+        return FOLDER_PREFIX + str(node["FOLDER"])
     return name
 
 
