@@ -43,6 +43,7 @@ import re
 
 from engine.data import Datum, split_per_class, split_trainval
 from engine.data.base import DatasetNotFoundError
+from engine.data.cache_files import candidates
 from engine.errors import ConfigError, DataError
 from engine.registry import DATASET_REGISTRY
 
@@ -416,7 +417,8 @@ class Folder(CoOpDataset):
                 f"train: {2 * shots} images or more for {shots} shots)"
             )
         if set(lists) != set(SPLITS):
-            add += f" and delete {self.split_path} so that a new split is made"
+            saved = [p for p in candidates(self.split_path) if osp.isfile(p)]  # read-only: cache
+            add += f" and delete {(saved or [self.split_path])[0]} so that a new split is made"
         fewest = short[0][0]
         raise DataError(
             f"{self.layout.name}: DATASET.NUM_SHOTS {shots} needs {shots} training images per "

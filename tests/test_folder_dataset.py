@@ -82,6 +82,31 @@ def test_class_folders_in_mixed_formats_split_saved_and_reused(tmp_path, caplog)
     assert "1 image(s) in images/ are not in the split file" in caplog.text
 
 
+def test_read_only_folder_keeps_its_split_in_the_user_cache(tmp_path, monkeypatch):
+    from engine.data import cache_files
+
+    root = str(tmp_path / "data")
+    data = make_folder_dataset(root, per_class=5)
+    real_access = os.access
+
+    def access(path, mode, **kw):  # a read-only mount, even for root
+        if mode & os.W_OK and osp.abspath(path).startswith(data):
+            return False
+        return real_access(path, mode, **kw)
+
+    monkeypatch.setenv("SAMPLE_PL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache_files.os, "access", access)
+    monkeypatch.setattr(cache_files, "_announced", set())
+    first = build_dataset(folder_cfg(root, "DATASET.NUM_SHOTS", "2"))
+    assert sorted(os.listdir(data)) == ["images"]  # nothing written next to the images
+    saved = tmp_path / "cache" / "datasets" / data.lstrip(os.sep) / "split_zhou_mydata.json"
+    assert saved.is_file()
+    again = build_dataset(folder_cfg(root, "DATASET.NUM_SHOTS", "2", seed="3"))
+    assert again.test == first.test
+    with pytest.raises(DataError, match=f"delete {saved} so that"):
+        build_dataset(folder_cfg(root, "DATASET.NUM_SHOTS", "3"))
+
+
 def test_too_few_images_for_the_shots_is_a_clear_error(tmp_path, capsys, tiny_clip_opts):
     from engine.runner import run_in_process
 
@@ -204,6 +229,9 @@ def test_template_reaches_the_trainers_lookups(tmp_path):
     assert kgcoop_template(d.NAME, d.TEMPLATE) == "a photo of a {}, a type of bird."
     assert tcp_templates(d.NAME, d.TEMPLATE) == (d.TEMPLATE, d.TEMPLATE)
     assert tcp_templates("X", "{} texture.") == ("X X X X {} texture.", "{} texture.")
+    from trainers.coprompt import description_file
+
+    assert description_file(cfg).endswith("/mydata_prompt.json")  # CoPrompt: the folder's name
     default = folder_cfg(str(tmp_path)).DATASET
     assert dataset_template(default.NAME, default.TEMPLATE) == "a photo of a {}."
     assert dataset_template("EuroSAT", "") == "a centered satellite photo of {}."
