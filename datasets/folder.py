@@ -286,12 +286,12 @@ class Folder(CoOpDataset):
         if set(lists) == set(SPLITS):
             return self.splits_from_lists(lists, None)
         if lists:
-            missing = [s for s in ("train", "test") if s not in lists]
+            missing = [f"{s}.csv / {s}.json" for s in ("train", "test") if s not in lists]
             if missing:
                 raise DataError(
                     f"{self.layout.name}: lists {', '.join(sorted(lists.values()))} found but no "
-                    f"{' or '.join(m + '.csv' for m in missing)}: give train and test lists "
-                    "(val is optional), or remove the lists to split the images/ folders"
+                    f"{' or '.join(missing)}: give train and test lists (val is optional), or "
+                    "remove the lists to split the images/ folders"
                 )
 
             def generate(rng):

@@ -216,6 +216,9 @@ def test_csv_and_json_lists(tmp_path):
         json.dump([["images/x.jpg", 0, "extra"]], f)
     with pytest.raises(DataError, match=r"test.json: item 0: expected \[path, label\]"):
         build_dataset(folder_cfg(root, folder="listed"))
+    os.remove(osp.join(data, "test.json"))
+    with pytest.raises(DataError, match=r"found but no test.csv / test.json: give train and test"):
+        build_dataset(folder_cfg(root, folder="listed"))
 
 
 def test_template_reaches_the_trainers_lookups(tmp_path):
