@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (registers the readers)
     dtd,
     eurosat,
     fgvc_aircraft,
+    folder,
     food101,
     imagenet,
     imagenet_a,

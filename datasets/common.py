@@ -311,8 +311,14 @@ class CoOpDataset(DatasetBase):
         train, val, test = self.read_splits(cfg)
         check_labels(self.layout.name, train, val, test)
         check_images_exist(self.layout, root, train, val, test)
+        self.check_splits(cfg, train, val, test)
         train, val, test = fewshot_and_subsample(self, cfg, train, val, test)
         super().__init__(train_x=train, val=test if self.val_is_test else val, test=test)
+
+    def check_splits(self, cfg, train, val, test) -> None:
+        """A reader's own checks of the parsed splits, before the few-shot draw (the built-in
+        readers have none: a class with fewer images than DATASET.NUM_SHOTS keeps them all,
+        as in CoOp)."""
 
     @property
     def split_path(self) -> str:

@@ -72,6 +72,13 @@ _C.INPUT.GB_K = 21  # "gaussian_blur" kernel size
 _C.DATASET = CN()
 _C.DATASET.ROOT = ""  # folder that holds one sub-folder per dataset (CoOp layout)
 _C.DATASET.NAME = ""  # registered dataset name, e.g. DescribableTextures
+# DATASET.NAME Folder (your own images, datasets/folder.py, docs/own-dataset.md): the dataset's
+# folder under DATASET.ROOT, holding images/<class>/* or train/val/test lists (.csv or .json)
+_C.DATASET.FOLDER = ""
+# The dataset's hand-crafted prompt template, with one "{}" for the class name (used by zero-shot
+# CLIP, KgCoOp, TCP and CoPrompt's fallback teacher). Empty: CoOp's template of the dataset
+# (trainers/zsclip.py: CUSTOM_TEMPLATES), "a photo of a {}." for datasets without one (Folder)
+_C.DATASET.TEMPLATE = ""
 _C.DATASET.SOURCE_DOMAINS = ()  # domain-generalisation sources (unused by prompt learners)
 _C.DATASET.TARGET_DOMAINS = ()  # domain-generalisation targets (unused by prompt learners)
 _C.DATASET.NUM_LABELED = -1  # semi-supervised: number of labelled images (-1: all)

@@ -4,21 +4,25 @@
 # classes, for every seed in SEEDS. Settings: see scripts/common.sh.
 #
 # Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]
-#   DATASET: a config stem of configs/datasets/ (dtd, eurosat, imagenet, ...) or "all" (the 11)
+#   DATASET: a config stem of configs/datasets/ (dtd, eurosat, imagenet, ...), "all" (the 11)
+#            folder:NAME (your own images in DATA/NAME) or a dataset config file PATH.yaml of
+#            your own (docs/own-dataset.md)
 #
 #   DATA=/data TRAINER=CoOp OPTIM=sample bash scripts/base2new.sh dtd
 #   DATA=/data OPTIM="sgd sample" SEEDS=1 bash scripts/base2new.sh --gpus=auto all
 #   TRAINER=MaPLe bash scripts/base2new.sh --dry-run --commands eurosat
 #   DATA=/data bash scripts/base2new.sh dtd MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
 #   DATA=/data REPRO=released bash scripts/base2new.sh dtd   # the released code's training
+#   DATA=/data REPORT=report bash scripts/base2new.sh folder:mydata   # + tables, report/index.html
 #
 # Folders: OUTPUT/base2new/{train_base,test_new}/DATASET/shots_SHOTS/TRAINER/CFG[+OPTIM]/seedN
 #   with the default REPRO=released: CFG+OPTIM-released (sgd: CFG+sgd-released)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 split_args "$@"
-if [[ ${#REST[@]} -eq 0 || "${REST[0]}" == *.* ]]; then
+if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:* \
+      && "${REST[0]}" != *.yaml) ]]; then
   echo "Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]" >&2
-  echo "  DATASET: a name in configs/datasets/ (e.g. dtd) or 'all'" >&2
+  echo "  DATASET: a name in configs/datasets/ (e.g. dtd), 'all', or folder:NAME (DATA/NAME)" >&2
   exit 2
 fi
 DATASET="${REST[0]}"

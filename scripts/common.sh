@@ -18,6 +18,8 @@
 #                      tagged "released"), paper (the method as the paper writes it; CoOp's
 #                      folders) or "paper released"; docs/reproducing.md
 #   PYTHON   [python]
+#   REPORT   []        after the runs: print the tables (tools/make_tables.py) and write the HTML
+#                      report REPORT/index.html (not with --dry-run; not when a run failed)
 # Arguments: [grid.py options such as --dry-run --commands --gpus=auto --quiet] ...
 #            [KEY VALUE ...]  config options for every train.py run (e.g. MODEL.BACKBONE.PATH f)
 
@@ -35,18 +37,26 @@ split_args() {
 }
 
 # run_grid GRID_ARGS...: run tools/grid.py with the environment's settings, GRID_ARGS, the
-# leading options and the KEY VALUE options in OPTS
+# leading options and the KEY VALUE options in OPTS; then, with REPORT set, the tables and report
 run_grid() {
-  local cmd=("${PYTHON:-python}" "$REPO/tools/grid.py")
+  local axes=()
   # shellcheck disable=SC2206  # TRAINER/OPTIM/SEEDS are space-separated lists
-  cmd+=(--trainers ${TRAINER:-CoOp} --optims ${OPTIM:-sample} --seeds ${SEEDS:-1 2 3})
-  cmd+=(--shots "${SHOTS:-16}" --output "${OUTPUT:-output}" --data "${DATA:-}")
-  if [[ -n "${CFG:-}" ]]; then cmd+=(--cfg "$CFG"); fi
-  if [[ -n "${TAG:-}" ]]; then cmd+=(--tag "$TAG"); fi
+  axes+=(--trainers ${TRAINER:-CoOp} --optims ${OPTIM:-sample} --seeds ${SEEDS:-1 2 3})
+  axes+=(--shots "${SHOTS:-16}" --output "${OUTPUT:-output}")
+  if [[ -n "${CFG:-}" ]]; then axes+=(--cfg "$CFG"); fi
+  if [[ -n "${TAG:-}" ]]; then axes+=(--tag "$TAG"); fi
   # shellcheck disable=SC2206  # REPRO may name both modes
-  cmd+=(--repro ${REPRO:-released})
+  axes+=(--repro ${REPRO:-released})
+  local cmd=("${PYTHON:-python}" "$REPO/tools/grid.py" "${axes[@]}" --data "${DATA:-}")
   cmd+=("$@" ${GRID_FLAGS[@]+"${GRID_FLAGS[@]}"})
   if [[ ${#OPTS[@]} -gt 0 ]]; then cmd+=(-- "${OPTS[@]}"); fi
   echo "+ ${cmd[*]}"
-  exec "${cmd[@]}"
+  if [[ -z "${REPORT:-}" || " ${GRID_FLAGS[*]-} " == *" --dry-run "* ]]; then
+    exec "${cmd[@]}"
+  fi
+  "${cmd[@]}"
+  local tables=("${PYTHON:-python}" "$REPO/tools/make_tables.py" "${axes[@]}" "$@")
+  tables+=(--report "$REPORT")
+  echo "+ ${tables[*]}"
+  exec "${tables[@]}"
 }

@@ -7,6 +7,7 @@
 #
 #   DATA=/data TRAINER=CoOp OPTIM="sgd sample" bash scripts/cross_dataset.sh
 #   DATA=/data TARGETS="dtd eurosat" bash scripts/cross_dataset.sh --gpus=auto
+#   DATA=/data TARGETS=folder:mydata bash scripts/cross_dataset.sh   # your images (DATA/mydata)
 #
 # Folders (REPRO=paper; the default REPRO=released adds "-released" after OPTIM, sgd: "+sgd"):
 #          OUTPUT/imagenet/TRAINER/CFG[+OPTIM]_SHOTSshots/seedN                 (training)

@@ -4,6 +4,8 @@ Usage::
 
     python tools/check_data.py --root DATA                     # the paper's 15 datasets
     python tools/check_data.py --root DATA Caltech101 eurosat  # reader, config or folder names
+    python tools/check_data.py --root DATA folder:mydata        # your own images (Folder)
+    python tools/check_data.py --plugin my_reader.py --root DATA MyReader   # a plugin's reader
 
 Prints one row per dataset: ``ready``, ``partial`` (some pieces or class folders missing) or
 ``missing`` (nothing there), what is missing, and below the table how to obtain each dataset
@@ -13,6 +15,11 @@ data at start-up).
 
 The expected layouts are the ``LAYOUT`` declarations of the readers in ``datasets/``; the readers
 check the same thing at start-up. ``check_dataset(root, name)`` is the importable form.
+
+A folder dataset (``DATASET.NAME Folder``, ``datasets/folder.py``) is named ``folder:<its folder
+under DATA>``; besides its layout, its classes are read as the reader reads them (class folders
+or lists, ``classnames.txt``) and what the reader would refuse is reported. Readers in a user's
+own files are loaded with ``--plugin FILE.py|MODULE`` (repeatable) or ``$SAMPLE_PL_PLUGINS``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from tabulate import tabulate  # noqa: E402
 
 from datasets import PAPER_DATASETS  # noqa: E402
 from datasets.common import Layout  # noqa: E402
+from datasets.folder import PREFIX as FOLDER_PREFIX  # noqa: E402
+from datasets.folder import folder_layout, inspect_folder  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
+from engine.plugins import env_plugins, load_plugins, unique  # noqa: E402
 from engine.registry import DATASET_REGISTRY  # noqa: E402
 
 READY, PARTIAL, MISSING = "ready", "partial", "missing"
@@ -41,9 +52,18 @@ def find_layout(name: str) -> Layout | None:
     (``caltech101``) or folder name (``caltech-101``), case-insensitively; None for a registered
     reader that declares no layout.
 
+    ``folder:<folder>`` is the folder dataset ``<folder>`` (``DATASET.NAME Folder``).
+
     Raises:
         KeyError: no reader matches; the message lists the known names.
     """
+    if name.startswith(FOLDER_PREFIX) and name[len(FOLDER_PREFIX) :].strip("/"):
+        return folder_layout(name[len(FOLDER_PREFIX) :])
+    if name.lower() == "folder":
+        raise KeyError(
+            "Folder reads the folder DATASET.FOLDER: check it as folder:<that folder>, e.g. "
+            "folder:mydata"
+        )
     known: dict[str, Layout | None] = {}
     for reg_name in DATASET_REGISTRY:
         cls = DATASET_REGISTRY.get(reg_name)
@@ -58,6 +78,11 @@ def find_layout(name: str) -> Layout | None:
             "file or folder names)"
         )
     return known[name.lower()]
+
+
+def found_folder(layout: Layout) -> bool:
+    """Whether ``layout`` is a folder dataset's (``folder:<folder>``)."""
+    return layout.name.startswith(FOLDER_PREFIX)
 
 
 def check_dataset(root: str, name: str) -> tuple[str, list[str]]:
@@ -86,10 +111,13 @@ def check_dataset(root: str, name: str) -> tuple[str, list[str]]:
     if not any(layout.find(root, e) for e in layout.required):
         return MISSING, [f"missing: {m}" for m in missing] + [how]
     problems = [f"missing: {m}" for m in missing] + layout.class_count_problems(root)
-    if problems:
-        return PARTIAL, problems + [how]
     notes = []
-    if layout.split_file and not layout.has_split_file(root):
+    if found_folder(layout):
+        found, notes = inspect_folder(root, layout.folder)
+        problems += found
+    if problems:
+        return PARTIAL, problems + notes + [how]
+    if layout.split_file and not layout.has_split_file(root) and not found_folder(layout):
         notes.append(
             f"{layout.split_file} absent: a first run generates and saves a split (not the "
             "paper's; get CoOp's file for comparable numbers)"
@@ -107,7 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "names", nargs="*", help=f"datasets to check (default: all {len(PAPER_DATASETS)})"
     )
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="import a module registering your own dataset reader first (a .py path or a module "
+        "name; repeatable; also $SAMPLE_PL_PLUGINS)",
+    )
     args = parser.parse_args(argv)
+    try:
+        load_plugins(unique([*env_plugins(), *args.plugin]))
+    except ConfigError as e:
+        parser.error(str(e))
     names = args.names or list(PAPER_DATASETS)
     try:
         layouts = {n: find_layout(n) for n in names}

@@ -31,6 +31,13 @@ Examples::
     python tools/grid.py --preset sweep-rho --trainers CoOp --datasets dtd \
         --sweep OPTIM.SAM.RHO 0.02 0.1 --data DATA   # own values; tools/plot_sweep.py plots them
 
+Datasets (``--datasets``, ``--xd-targets``) are config stems of ``configs/datasets/``,
+``folder:NAME`` (your own images in ``DATA/NAME``, ``DATASET.NAME Folder``) or paths of dataset
+config files of one's own (``my/birds.yaml``; docs/own-dataset.md).
+``--plugin FILE.py|MODULE`` (repeatable) is given to every train.py command and to the data
+check, so a user's own trainer, reader or optimizer runs without an edit of the project (as
+``$SAMPLE_PL_PLUGINS`` does for every process).
+
 Everything after ``--`` is passed to every train.py command as KEY VALUE options (options that
 change the experiment belong with a ``--tag``, or their runs share the default folders).
 
@@ -471,9 +478,16 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--protocols", nargs="+", choices=PROTOCOLS, help="default: base2new")
     g.add_argument("--trainers", nargs="+", help=f"e.g. {' '.join(TRAINERS + EXTRA_TRAINERS)}")
     g.add_argument("--optims", nargs="+", help=f"e.g. {' '.join(OPTIMIZERS)} (default: sample)")
-    g.add_argument("--datasets", nargs="+", help="base-to-new datasets (default: the 11)")
+    g.add_argument(
+        "--datasets",
+        nargs="+",
+        help="base-to-new datasets (default: the 11): config stems, folder:NAME for your own "
+        "images in DATA/NAME, or a dataset config file PATH.yaml",
+    )
     g.add_argument("--seeds", nargs="+", type=int, help="any seeds >= 0 (default: 1 2 3)")
-    g.add_argument("--xd-targets", nargs="+", help="cross-dataset targets (default: the 10)")
+    g.add_argument(
+        "--xd-targets", nargs="+", help="cross-dataset targets (default: the 10; or folder:NAME)"
+    )
     g.add_argument("--dg-targets", nargs="+", help="domain generalization targets (default: 4)")
     g.add_argument(
         "--cfg",
@@ -550,7 +564,16 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
         opts=tuple(opts or ()),
         cfgs=tuple(sorted(cfgs.items())),
         repro=repro_modes(args)[0],
+        plugins=tuple(plugin_spec(p) for p in getattr(args, "plugin", None) or []),
     )
+
+
+def plugin_spec(spec: str) -> str:
+    """A ``--plugin`` as every run gets it: a .py file by its absolute path (runs may start in
+    another folder, e.g. SLURM jobs), a module name as it is."""
+    if spec.endswith(".py") or osp.isfile(spec):
+        return osp.abspath(spec)
+    return spec
 
 
 def repro_modes(args) -> list[str]:
@@ -613,6 +636,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_grid_args(parser)
     parser.add_argument("--data", default=os.environ.get("DATA", ""), help="dataset root ($DATA)")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE_OR_MODULE",
+        help="a module registering your own trainer, reader or optimizer, given to every "
+        "train.py run and to the data check (.py path or module name; repeatable)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="list runs and folders only")
     parser.add_argument("--commands", action="store_true", help="also list train.py commands")
     parser.add_argument("--no-check", action="store_true", help="skip the pre-flight checks")

@@ -67,7 +67,6 @@ from tools.grid import (  # noqa: E402
 )
 from tools.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
-    DATASET_TITLES,
     OPTIMIZERS,
     TARGETS_BY_TABLE,
     TRAINERS,
@@ -77,7 +76,12 @@ from tools.paper_results import (  # noqa: E402
     with_mode,
 )
 from tools.parse_results import SeedStats, collect_seeds, group_seeds  # noqa: E402
-from tools.protocols import SOURCE_DATASET, Chain, ProtocolError  # noqa: E402
+from tools.protocols import (  # noqa: E402
+    SOURCE_DATASET,
+    Chain,
+    ProtocolError,
+    dataset_title,
+)
 from tools.stats import (  # noqa: E402
     Diff,
     across_datasets,
@@ -185,7 +189,7 @@ def base2new_cells(stats, trainer: str, optim: str, dataset: str) -> list[Cell]:
     for metric in ("base", "new"):
         st = stats.get(("base2new", trainer, optim, dataset, metric))
         paper = paper_value("base2new", trainer, optim, dataset, metric)
-        cells.append(Cell.of(st, paper, f"{DATASET_TITLES.get(dataset, dataset)} {metric}"))
+        cells.append(Cell.of(st, paper, f"{dataset_title(dataset)} {metric}"))
     base, new = cells
     hm = Cell(_hm(base.value, new.value), paper_value("base2new", trainer, optim, dataset, "hm"))
     hm.complete = base.complete and new.complete
@@ -200,7 +204,7 @@ def base2new_tables(stats, rows, datasets, avg_hm: str = "hm-of-means") -> list[
     panels = []
     per_row = {row: {d: base2new_cells(stats, *row, d) for d in datasets} for row in rows}
     for d in datasets:
-        panel = Table("base2new", f"Base-to-new: {DATASET_TITLES.get(d, d)}", B2N_HEADERS)
+        panel = Table("base2new", f"Base-to-new: {dataset_title(d)}", B2N_HEADERS)
         for row in rows:
             if _has_runs(stats, "base2new", row, [d]):
                 panel.add(row_title(*row), *row, list(zip([d] * 3, METRICS, per_row[row][d])))
@@ -228,7 +232,7 @@ def transfer_table(stats, rows, table: str, targets: list[str]) -> Table:
     """Cross-dataset or domain generalization: source, targets and their average."""
     cols = [SOURCE_DATASET, *targets]
     title = {"cross_dataset": "Cross-dataset", "domain_gen": "Domain generalization"}[table]
-    out = Table(table, title, ["Method", *[DATASET_TITLES.get(c, c) for c in cols], "Avg"])
+    out = Table(table, title, ["Method", *[dataset_title(c) for c in cols], "Avg"])
     for row in rows:
         cells = [
             Cell.of(stats.get((table, *row, d, "acc")), paper_value(table, *row, d), d)
@@ -366,7 +370,7 @@ def average_diffs(stats, pair: Pair, table: str, datasets, statistics_: list) ->
 
 def add_base2new_diffs(panels, stats, pairs, datasets, avg_hm, delta) -> None:
     """Attach the paired comparisons to the base-to-new panels (average panel first if any)."""
-    by_title = {f"Base-to-new: {DATASET_TITLES.get(d, d)}": d for d in datasets}
+    by_title = {f"Base-to-new: {dataset_title(d)}": d for d in datasets}
     for panel in panels:
         if panel.title not in by_title:  # the average panel
             hm_stat = mean_of_hms if avg_hm == "mean-of-hms" else hm_of_means

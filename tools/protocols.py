@@ -20,6 +20,12 @@ A chain's ``variant`` (KEY VALUE options of one point of a sweep, see ``tools/gr
 passed to all its runs and named in the tag (:func:`options_tag`: ``OPTIM.SAM.RHO 0.1`` ->
 ``rho0.1``; after the ``--tag``, if any: ``{tag}_rho0.1``), so sweep points never share a folder.
 
+A dataset is a config stem of ``configs/datasets/``; or ``folder:<name>``, the folder dataset
+``DATA/<name>`` (``DATASET.NAME Folder``, ``datasets/folder.py``): its runs use
+``configs/datasets/folder.yaml`` with ``DATASET.FOLDER <name>``; or the path of a dataset config
+file of one's own, ``path/<stem>.yaml`` (e.g. naming a plugin's reader). ``<name>`` / ``<stem>``
+is its ``{dataset}`` / ``{target}`` in the folders above.
+
 Every training run gets ``DATALOADER.TRAIN_X.DROP_LAST True`` (:data:`TRAIN_OPTS`: Dassl's
 loader, as in the code bases that produced the published numbers).
 
@@ -44,7 +50,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 
-from tools.paper_results import TARGETS_BY_TABLE
+from tools.paper_results import DATASET_TITLES, TARGETS_BY_TABLE
 from tools.parse_results import read_run
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -80,6 +86,8 @@ TRANSFER_CFG = {
 # cross-dataset config trains its projections for a full-LR epoch before they are frozen.
 TRAIN_OPTS = ("DATALOADER.TRAIN_X.DROP_LAST", "True")
 REPRO_MODES = ("paper", "released")  # engine/repro.py; "paper" is the default
+FOLDER_PREFIX = "folder:"  # a folder dataset: folder:<name> (datasets/folder.py: PREFIX)
+FOLDER_CONFIG = "folder"  # its dataset config stem (configs/datasets/folder.yaml)
 
 
 class ProtocolError(ValueError):
@@ -99,6 +107,8 @@ class Setup:
         cfgs: ``{trainer: cfg}`` overriding the default configs.
         python: the interpreter that runs train.py.
         repro: reproduction mode, ``paper`` (default) or ``released`` (folder tag, --repro).
+        plugins: ``--plugin`` modules or .py files given to every train.py command (a user's
+            own trainers, readers or optimizers; engine/plugins.py).
     """
 
     data: str = ""
@@ -109,6 +119,7 @@ class Setup:
     cfgs: tuple[tuple[str, str], ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
     repro: str = "paper"
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.repro not in REPRO_MODES:
@@ -194,7 +205,10 @@ class Run:
             cmd += ["--eval-only", "--model-dir", self.model_dir, "--load-epoch", str(load_epoch)]
         if self.repro != "paper":
             cmd += ["--repro", self.repro]
-        return cmd + list(self.protocol_opts) + list(setup.opts)
+        for plugin in setup.plugins:
+            cmd += ["--plugin", plugin]
+        opts = [*dataset_opts(self.dataset), *self.protocol_opts, *setup.opts]
+        return cmd + opts
 
 
 @dataclass
@@ -272,7 +286,7 @@ def split_cfg_component(name: str) -> tuple[str, str, str]:
 
 def base2new_dirs(setup: Setup, dataset: str, trainer: str, comp: str, seed: int):
     """``(train_base dir, test_new dir)``."""
-    tail = osp.join(dataset, f"shots_{setup.shots}", trainer, comp, f"seed{seed}")
+    tail = osp.join(dataset_dir(dataset), f"shots_{setup.shots}", trainer, comp, f"seed{seed}")
     root = osp.join(setup.output, "base2new")
     return osp.join(root, "train_base", tail), osp.join(root, "test_new", tail)
 
@@ -281,12 +295,74 @@ def transfer_dirs(setup: Setup, trainer: str, comp: str, seed: int, target: str)
     """``(ImageNet training dir, evaluation dir on target)``."""
     name = f"{comp}_{setup.shots}shots"
     train = osp.join(setup.output, "imagenet", trainer, name, f"seed{seed}")
-    return train, osp.join(setup.output, "evaluation", trainer, name, target, f"seed{seed}")
+    evaluation = osp.join(setup.output, "evaluation", trainer, name, dataset_dir(target))
+    return train, osp.join(evaluation, f"seed{seed}")
 
 
-# -- config files -----------------------------------------------------------------------------
+# -- datasets and config files ----------------------------------------------------------------
+def _run_folder_name(dataset: str, name: str, what: str) -> str:
+    """``name`` if it can name a dataset's run folders; ProtocolError otherwise."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ProtocolError(
+            f"Dataset {dataset!r}: the {what} may hold letters, digits and _ . - only (it names "
+            "the run folders); rename it or link it under such a name"
+        )
+    if name != FOLDER_CONFIG and osp.isfile(osp.join(REPO, "configs", "datasets", f"{name}.yaml")):
+        raise ProtocolError(
+            f"Dataset {dataset!r}: {name!r} is a built-in dataset's name, whose run folders it "
+            f"would share; rename your {what} (or use the built-in dataset: --datasets {name})"
+        )
+    return name
+
+
+def folder_of(dataset: str) -> str | None:
+    """The folder of a folder dataset ``folder:<name>`` (None for other datasets).
+
+    Raises:
+        ProtocolError: a name that cannot be a run folder's name, or one of a built-in dataset.
+    """
+    if not dataset.startswith(FOLDER_PREFIX):
+        return None
+    return _run_folder_name(dataset, dataset[len(FOLDER_PREFIX) :], "folder name (under --data)")
+
+
+def own_config(dataset: str) -> str | None:
+    """The absolute path of a dataset given by its own config file (``path/x.yaml``, e.g. for a
+    plugin's reader), else None."""
+    if not dataset.endswith((".yaml", ".yml")):
+        return None
+    return osp.abspath(osp.expanduser(dataset))
+
+
+def dataset_dir(dataset: str) -> str:
+    """The component that names a dataset in the run folders: the config stem, the folder name
+    of ``folder:<name>``, or the file stem of a config file ``path/<stem>.yaml``."""
+    path = own_config(dataset)
+    if path:
+        return _run_folder_name(dataset, osp.splitext(osp.basename(path))[0], "config file's name")
+    return folder_of(dataset) or dataset
+
+
+def dataset_title(dataset: str) -> str:
+    """A dataset's name in tables and reports (``dtd`` -> ``DTD``, ``folder:birds`` ->
+    ``birds``)."""
+    return DATASET_TITLES.get(dataset) or dataset_dir(dataset)
+
+
+def dataset_opts(dataset: str) -> tuple[str, ...]:
+    """The KEY VALUE options that select a dataset beyond its config file (a folder's name)."""
+    folder = folder_of(dataset)
+    return ("DATASET.FOLDER", folder) if folder else ()
+
+
 def dataset_config(stem: str) -> str:
-    """``configs/datasets/<stem>.yaml`` (relative to the repository)."""
+    """``configs/datasets/<stem>.yaml`` (relative to the repository); ``folder.yaml`` for a
+    folder dataset ``folder:<name>``; the absolute path of a config file ``path/x.yaml``."""
+    path = own_config(stem)
+    if path:
+        return path
+    if folder_of(stem):
+        stem = FOLDER_CONFIG
     return osp.join("configs", "datasets", f"{stem}.yaml")
 
 
@@ -462,21 +538,31 @@ def load_epoch(train_dir: str) -> int:
 
 # -- pre-flight checks ------------------------------------------------------------------------
 def dataset_registry_name(stem: str) -> str:
-    """``DATASET.NAME`` of ``configs/datasets/<stem>.yaml``."""
+    """The name ``tools/check_data.py`` checks: ``DATASET.NAME`` of the dataset's config file,
+    ``folder:<name>`` for a folder dataset (``folder:<FOLDER>`` when the file sets ``DATASET.NAME
+    Folder`` and ``DATASET.FOLDER``)."""
     import yaml
 
+    if folder_of(stem):
+        return stem
     path = osp.join(REPO, dataset_config(stem))
     if not osp.isfile(path):
         have = sorted(osp.splitext(p)[0] for p in os.listdir(osp.join(REPO, "configs", "datasets")))
-        raise ProtocolError(f"Unknown dataset {stem!r}: no {path} (available: {', '.join(have)})")
+        raise ProtocolError(
+            f"Unknown dataset {stem!r}: no {path} (available: {', '.join(have)}, "
+            "folder:<name> for your images in DATA/<name>, or the path of a dataset config file)"
+        )
     with open(path) as f:
-        name = ((yaml.safe_load(f) or {}).get("DATASET") or {}).get("NAME")
+        node = (yaml.safe_load(f) or {}).get("DATASET") or {}
+    name = node.get("NAME")
     if not name:
         raise ProtocolError(f"{path} sets no DATASET.NAME")
+    if name == "Folder" and node.get("FOLDER"):
+        return FOLDER_PREFIX + str(node["FOLDER"])
     return name
 
 
-def check_data(root: str, stems: list[str]) -> str | None:
+def check_data(root: str, stems: list[str], plugins: tuple[str, ...] = ()) -> str | None:
     """Run the datasets' checker on ``stems``; returns a problem or None.
 
     This is the one place that calls ``tools/check_data.py --root ROOT NAME ...`` (registry
@@ -488,7 +574,7 @@ def check_data(root: str, stems: list[str]) -> str | None:
     if not osp.isfile(tool):
         print(f"note: tools/check_data.py not found: data check of {', '.join(names)} skipped")
         return None
-    cmd = [sys.executable, tool, "--root", root, *names]
+    cmd = [sys.executable, tool, "--root", root, *[f"--plugin={p}" for p in plugins], *names]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     out = (proc.stdout + proc.stderr).strip()
     if proc.returncode == 0:
@@ -573,7 +659,7 @@ def preflight(chains: list[Chain], setup: Setup, data: bool = True) -> list[str]
     if data:
         stems = list(dict.fromkeys(r.dataset for c in chains for r in c.runs))
         try:
-            problems.append(check_data(setup.data, stems))
+            problems.append(check_data(setup.data, stems, setup.plugins))
         except ProtocolError as e:
             problems.append(str(e))
     seen = set()

@@ -26,10 +26,10 @@ import os
 import os.path as osp
 import urllib.parse
 
-from tools.paper_results import DATASET_TITLES, paper_value, row_title
+from tools.paper_results import paper_value, row_title
 from tools.parse_results import log_files, read_run
 from tools.plotting import color_of, pyplot
-from tools.protocols import SOURCE_DATASET
+from tools.protocols import SOURCE_DATASET, dataset_title
 from tools.stats import describe_methods, per_seed_hm
 from tools.tables_model import MARK, DiffCell, Results, Table, legend, render_rows
 
@@ -203,7 +203,7 @@ def runs_html(results: Results, out_dir: str) -> str:
             cells = [
                 table,
                 row_title(trainer, optim),
-                DATASET_TITLES.get(dataset, dataset),
+                dataset_title(dataset),
                 metric,
                 f"seed{seed}",
                 result.status,
@@ -225,7 +225,7 @@ def _value_charts(results: Results) -> list[str]:
     parts = []
     for d in results.datasets:
         groups = [("Base", d, "base"), ("New", d, "new"), ("HM", d, "hm")]
-        title = f"Base-to-new: {DATASET_TITLES.get(d, d)}"
+        title = f"Base-to-new: {dataset_title(d)}"
         img = bar_chart(results, "base2new", results.rows, groups, title)
         parts += [img] if img else []
     for table, name in (
@@ -234,7 +234,7 @@ def _value_charts(results: Results) -> list[str]:
     ):
         cols = [SOURCE_DATASET, *results.targets.get(table, [])]
         if len(cols) > 1:
-            groups_ = [(DATASET_TITLES.get(c, c), c, "acc") for c in cols]
+            groups_ = [(dataset_title(c), c, "acc") for c in cols]
             img = bar_chart(results, table, results.rows, groups_, name)
             parts += [img] if img else []
     return parts

@@ -185,8 +185,11 @@ class CoPromptCLIP(MaPLeCLIP):
 
 
 def description_file(cfg) -> str:
-    """``<DESCRIPTIONS_DIR>/<key>_prompt.json`` for ``cfg.DATASET.NAME``."""
+    """``<DESCRIPTIONS_DIR>/<key>_prompt.json`` for ``cfg.DATASET.NAME`` (a Folder dataset:
+    the name of its folder)."""
     name = cfg.DATASET.NAME
+    if name == "Folder" and cfg.DATASET.FOLDER:
+        name = osp.basename(osp.normpath(cfg.DATASET.FOLDER))
     key = DESCRIPTION_FILE_KEYS.get(name, name.lower())
     folder = cfg.TRAINER.COPROMPT.DESCRIPTIONS_DIR or osp.join(
         cfg.DATASET.ROOT, "coprompt_descriptions"
@@ -251,7 +254,7 @@ def class_descriptions(cfg, classnames: list[str]) -> list[list[str]]:
         logger.info("CoPrompt text teacher: descriptions from %s", path)
         return read_descriptions(path, classnames)
     if node.FALLBACK_TEMPLATES:
-        template = dataset_template(cfg.DATASET.NAME)
+        template = dataset_template(cfg.DATASET.NAME, cfg.DATASET.TEMPLATE)
         logger.warning(
             "No description file %s: the text teacher uses the template %r "
             "(TRAINER.COPROMPT.FALLBACK_TEMPLATES True)",

@@ -23,6 +23,7 @@ context is trained; CLIP is frozen. Differences from KgCoOp's code base, all del
   kept in a non-persistent buffer, so checkpoints hold the context only; KgCoOp's unused
   ``meta_net``, ``bias_vectors`` and ``adapter`` are not built;
 - datasets without a template fall back to "a photo of a {}." (KgCoOp raised a KeyError);
+  ``DATASET.TEMPLATE`` replaces the dataset's template when set;
 - CoOp's deliberate differences (fp32 context, truncated prompts, features computed once per
   step / evaluation) apply.
 """
@@ -59,9 +60,10 @@ def add_kgcoop_config(cfg) -> None:
     cfg.TRAINER.KGCOOP.W = 8.0  # weight of L_kg = 1 - mean cos(text, hand-crafted text)
 
 
-def kgcoop_template(dataset_name: str) -> str:
-    """The hand-crafted template of ``w^clip`` for a dataset (Dassl name)."""
-    return KGCOOP_TEMPLATES.get(dataset_name, DEFAULT_TEMPLATE)
+def kgcoop_template(dataset_name: str, template: str = "") -> str:
+    """The hand-crafted template of ``w^clip`` for a dataset (Dassl name); ``template``
+    (``DATASET.TEMPLATE``) replaces it when set."""
+    return template or KGCOOP_TEMPLATES.get(dataset_name, DEFAULT_TEMPLATE)
 
 
 class KgCoOpCLIP(FrozenImageCLIP):
@@ -75,7 +77,8 @@ class KgCoOpCLIP(FrozenImageCLIP):
     def from_config(cls, cfg, classnames, clip_model):
         """The model of ``cfg`` (TRAINER.KGCOOP, the dataset's template) for ``classnames``."""
         prompt_learner = PromptLearner.from_node(classnames, clip_model, cfg.TRAINER.KGCOOP)
-        return cls(classnames, prompt_learner, clip_model, kgcoop_template(cfg.DATASET.NAME))
+        template = kgcoop_template(cfg.DATASET.NAME, cfg.DATASET.TEMPLATE)
+        return cls(classnames, prompt_learner, clip_model, template)
 
     def __init__(self, classnames, prompt_learner: PromptLearner, clip_model, template: str):
         super().__init__(clip_model)

@@ -80,9 +80,20 @@ HANDCRAFTED_TEMPLATES = {
 DEFAULT_HANDCRAFTED_TEMPLATE = "a photo of a {}."  # every other dataset (TCP's table)
 
 
-def tcp_templates(dataset_name: str) -> tuple[str, str]:
+def tcp_templates(dataset_name: str, template: str = "") -> tuple[str, str]:
     """``(learnable, hand-crafted)`` templates of a dataset; unknown datasets fall back to
-    "X X X X {}." / "a photo of a {}." with a logged notice."""
+    "X X X X {}." / "a photo of a {}." with a logged notice.
+
+    ``template`` (``DATASET.TEMPLATE``), when set, is the hand-crafted template and the
+    learnable one: its first TEMPLATE_CTX_WORDS words are the context positions when it has
+    that many words before "{}" ("a photo of a {}, a type of bird." -> "X X X X {}, a type of
+    bird."), else the context positions go in front ("{} texture." -> "X X X X {} texture.").
+    """
+    if template:
+        words = template.split(" ")  # as learnable_prompt splits it
+        if next(i for i, w in enumerate(words) if "{}" in w) >= TEMPLATE_CTX_WORDS:
+            return template, template
+        return " ".join(["X"] * TEMPLATE_CTX_WORDS + [template]), template
     if dataset_name not in LEARNABLE_TEMPLATES:
         logger.warning(
             "TCP has no templates for dataset %r: using %r (learnable) and %r (hand-crafted)",
@@ -173,7 +184,7 @@ class TCPCLIP(FrozenImageCLIP):
     def from_config(cls, cfg, classnames, clip_model):
         """The model of ``cfg`` (TRAINER.TCP, the dataset's templates) for ``classnames``."""
         c = cfg.TRAINER.TCP
-        template, handcrafted = tcp_templates(cfg.DATASET.NAME)
+        template, handcrafted = tcp_templates(cfg.DATASET.NAME, cfg.DATASET.TEMPLATE)
         return cls(
             classnames,
             clip_model,

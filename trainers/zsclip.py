@@ -46,8 +46,10 @@ IMAGENET_TEMPLATES_SELECT = [
 ]
 
 
-def dataset_template(dataset_name: str) -> str:
-    return CUSTOM_TEMPLATES.get(dataset_name, DEFAULT_TEMPLATE)
+def dataset_template(dataset_name: str, template: str = "") -> str:
+    """The hand-crafted template of a dataset: ``template`` (``DATASET.TEMPLATE``) when set,
+    else CoOp's template of ``dataset_name``, else "a photo of a {}." (e.g. a Folder dataset)."""
+    return template or CUSTOM_TEMPLATES.get(dataset_name, DEFAULT_TEMPLATE)
 
 
 def add_zsclip_config(cfg) -> None:
@@ -94,7 +96,7 @@ class ZeroshotCLIP(TrainerX):
     templates_per_class = None  # set by the ensemble variant
 
     def templates(self) -> list[str]:
-        return [dataset_template(self.cfg.DATASET.NAME)]
+        return [dataset_template(self.cfg.DATASET.NAME, self.cfg.DATASET.TEMPLATE)]
 
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)
@@ -127,6 +129,7 @@ class ZeroshotCLIP2(ZeroshotCLIP):
     add_config = staticmethod(lambda cfg: None)  # shares TRAINER.ZEROSHOTCLIP
 
     def templates(self) -> list[str]:
-        if self.cfg.DATASET.NAME == "ImageNet":
+        d = self.cfg.DATASET
+        if d.NAME == "ImageNet" and not d.TEMPLATE:
             return list(IMAGENET_TEMPLATES_SELECT)
-        return IMAGENET_TEMPLATES_SELECT + [dataset_template(self.cfg.DATASET.NAME)]
+        return IMAGENET_TEMPLATES_SELECT + [dataset_template(d.NAME, d.TEMPLATE)]

@@ -280,6 +280,10 @@ def split_trainval(trainval, p_val: float = 0.2, rng=None):
     return train, val
 
 
+class SplitError(DataError, ValueError):
+    """A class has too few images for the split rule; the message names it and the fix."""
+
+
 def read_and_split_data(
     image_dir: str,
     p_trn: float = 0.5,
@@ -292,30 +296,51 @@ def read_and_split_data(
 
     Classes are the sorted folder names (minus ``ignored``, renamed by ``new_cnames``); per
     class the images are shuffled and ``round(n*p_trn)`` go to train, ``round(n*p_val)`` to val
-    and the rest to test.
+    and the rest to test (:func:`split_per_class`).
     """
-    rng = rng if rng is not None else random
     categories = [c for c in listdir_nohidden(image_dir, sort=True) if c not in ignored]
     categories = [c for c in categories if osp.isdir(osp.join(image_dir, c))]
-    p_tst = 1 - p_trn - p_val
-    train, val, test = [], [], []
-    for label, category in enumerate(categories):
+    classes = []
+    for category in categories:
         category_dir = osp.join(image_dir, category)
         images = [osp.join(category_dir, im) for im in listdir_nohidden(category_dir, sort=True)]
+        name = new_cnames[category] if new_cnames and category in new_cnames else category
+        classes.append((name, images, category_dir))
+    return split_per_class(classes, p_trn, p_val, rng)
+
+
+def split_per_class(classes, p_trn: float = 0.5, p_val: float = 0.2, rng=None):
+    """CoOp's per-class split of image lists into train, val and test.
+
+    Args:
+        classes: ``(classname, image paths, where)`` per class in label order (``where``: the
+            class's folder or list, named in errors).
+        p_trn, p_val: the train and val fractions; the test set gets the rest.
+        rng: a ``random.Random`` (default: the global ``random``, as CoOp).
+
+    Per class the paths are shuffled (in place) and ``round(n*p_trn)`` go to train,
+    ``round(n*p_val)`` to val and the rest to test.
+
+    Raises:
+        SplitError: a class whose share of train, val or test would be empty.
+    """
+    rng = rng if rng is not None else random
+    p_tst = 1 - p_trn - p_val
+    train, val, test = [], [], []
+    for label, (classname, images, where) in enumerate(classes):
         rng.shuffle(images)
         n_total = len(images)
         n_train = round(n_total * p_trn)
         n_val = round(n_total * p_val)
         n_test = n_total - n_train - n_val
         if not (n_train > 0 and n_val > 0 and n_test > 0):
-            raise ValueError(
-                f"Class '{category}' in {image_dir} has {n_total} images: too few for a "
-                f"{p_trn:.0%}/{p_val:.0%}/{p_tst:.0%} split"
+            raise SplitError(
+                f"Class '{classname}' in {where} has {n_total} images: too few for a "
+                f"{p_trn:.0%}/{p_val:.0%}/{p_tst:.0%} split (add images to the class, or "
+                "leave the class out)"
             )
-        if new_cnames is not None and category in new_cnames:
-            category = new_cnames[category]
 
-        def _collate(ims, y=label, c=category):
+        def _collate(ims, y=label, c=classname):
             return [Datum(impath=im, label=y, classname=c) for im in ims]
 
         train.extend(_collate(images[:n_train]))

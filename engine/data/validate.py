@@ -18,6 +18,11 @@ SUBSAMPLES = ("all", "base", "new")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 
 
+def is_template(text: str) -> bool:
+    """A prompt template: one ``{}`` (the class name) and no other braces."""
+    return text.count("{}") == 1 and not any(c in text.replace("{}", "") for c in "{}")
+
+
 def _problems(cfg) -> list[str]:
     d, dl, inp = cfg.DATASET, cfg.DATALOADER, cfg.INPUT
     out = []
@@ -52,6 +57,12 @@ def _problems(cfg) -> list[str]:
         "DATASET.SUBSAMPLE_CLASSES",
         d.SUBSAMPLE_CLASSES,
         f"one of {SUBSAMPLES}",
+    )
+    need(
+        not d.TEMPLATE or is_template(d.TEMPLATE),
+        "DATASET.TEMPLATE",
+        d.TEMPLATE,
+        'empty or a text with one "{}" for the class name, e.g. "a photo of a {}, a type of bird."',
     )
     size = tuple(inp.SIZE)
     need(
