@@ -107,8 +107,11 @@ class ScalarWriter:
                 for k, v in d.items()
             }
             if tb is not None:
-                for k, v in row.items():
-                    tb.add_scalar(k, v, step)
+                try:
+                    for k, v in row.items():
+                        tb.add_scalar(k, v, step)
+                except OSError as e:  # its writer thread's error surfaces here
+                    raise _tensorboard_error(e, tb) from e
             if self._file is not None:
                 text = json.dumps({"step": step, **row}) + "\n"
                 try:
@@ -123,11 +126,31 @@ class ScalarWriter:
                 raise output_error(e, self._path) from e
 
     def close(self) -> None:
-        self.flush()
+        """Flush and close both writers; a failed write (a full disk, a read-only folder) is
+        raised as one :class:`~engine.utils.OutputWriteError` after both are closed."""
+        errors = []
+        try:
+            self.flush()
+        except OSError as e:
+            self._pending.clear()  # not written; the error says where
+            errors.append(e)
         self._tb_dir = ""
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()  # writes the events still queued for its writer thread
+            except OSError as e:
+                errors.append(_tensorboard_error(e, tb))
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()  # writes what is still buffered
+            except OSError as e:
+                errors.append(output_error(e, self._path))
+        if errors:
+            raise errors[0]
+
+
+def _tensorboard_error(e: OSError, tb) -> OSError:
+    """``e`` of tensorboard's writer as an OutputWriteError naming its event files' folder."""
+    return output_error(e, osp.join(tb.get_logdir(), "events.out.tfevents.*"))
