@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os.path as osp
+import threading
 from collections.abc import Callable
 
 import torch
 
-from .utils import atomic_write_text, mkdir_if_missing, output_error
+from .utils import OUTPUT_ERRNOS, atomic_write_text, mkdir_if_missing, output_error
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ScalarWriter:
             except ImportError:  # tensorboard is optional
                 logger.info("tensorboard is not installed: scalars go to scalars.jsonl only")
             else:
+                _quiet_writer_thread_errors()
                 self._tb = SummaryWriter(log_dir=tb_dir)
         return self._tb
 
@@ -149,6 +151,25 @@ class ScalarWriter:
                 errors.append(output_error(e, self._path))
         if errors:
             raise errors[0]
+
+
+def _quiet_writer_thread_errors() -> None:
+    """Keep a failed write of tensorboard's writer thread (a full disk) from printing its own
+    traceback: tensorboard raises the same error again in the training thread at its next
+    write or at close, where :class:`ScalarWriter` reports it as one paragraph. Other threads'
+    errors, and other errors, go to the previous ``threading.excepthook``."""
+    if getattr(threading.excepthook, "_engine_writer_hook", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        exc = args.exc_value
+        writer_thread = type(args.thread).__name__ == "_AsyncWriterThread"
+        if not (writer_thread and isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS):
+            previous(args)
+
+    hook._engine_writer_hook = True
+    threading.excepthook = hook
 
 
 def _tensorboard_error(e: OSError, tb) -> OSError:

@@ -414,6 +414,9 @@ def test_eval_rerun_takes_over_a_folder_without_checkpoints(
 
     model = str(tmp_path / "model")
     assert train_py(coop_args(dtd_root, model, tiny_clip_opts, "OPTIM.MAX_EPOCH", "1"))[0] == 0
+    # CoOp's parser and MaPLe's/PromptSRC's/KgCoOp's find the training run's result
+    base = parse_test_res(model, "Finish training")
+    assert base is not None and base == parse_test_res(model, "Finished training")
     out = str(tmp_path / "test_new")
     flags = ["--eval-only", "--load-epoch", "1", "--model-dir"]
     # the folder was mistyped: the evaluation fails before it evaluates anything
@@ -550,10 +553,10 @@ def test_maple_whole_model_checkpoint_and_unknown_trainer_message(tmp_path, deep
 # ----------------------------------------------------------------------------------------------
 # The scalar writers on a full disk; PromptSRC's aggregate loaded weights-only
 # ----------------------------------------------------------------------------------------------
-def test_scalar_and_tensorboard_writes_on_a_full_disk(tmp_path, monkeypatch):
+def test_scalar_and_tensorboard_writes_on_a_full_disk(tmp_path, monkeypatch, capfd):
     import errno
 
-    from torch.utils.tensorboard import SummaryWriter
+    from tensorboard.compat.tensorflow_stub.io.gfile import LocalFileSystem
 
     from engine.writers import ScalarWriter
 
@@ -564,13 +567,18 @@ def test_scalar_and_tensorboard_writes_on_a_full_disk(tmp_path, monkeypatch):
     writer.open(str(tmp_path), str(tmp_path / "tensorboard"))
     writer.add({"train/loss": 1.0}, 0)
     writer.flush()  # tensorboard's writer is started
-    monkeypatch.setattr(SummaryWriter, "add_scalar", full)  # the disk fills up now
-    writer.add({"train/loss": 0.5}, 1)
+    # the disk fills up now: tensorboard's writer thread fails on its next event file write,
+    # which tensorboard raises again at its next write or at close
+    monkeypatch.setattr(LocalFileSystem, "append", full)
+    for step in range(1, 50):
+        writer.add({"train/loss": 0.5}, step)
     with pytest.raises(OutputError) as info:
         writer.flush()
+        writer.close()
     msg = str(info.value)
     assert f"no space left on the device of {tmp_path / 'tensorboard'}" in msg
-    assert "events.out.tfevents" in msg and "Traceback" not in msg
+    assert "events.out.tfevents" in msg
+    assert "Traceback" not in capfd.readouterr().err  # the writer thread printed nothing
     monkeypatch.undo()
 
     class FullAtClose:  # scalars.jsonl's buffered rows meet the full disk when it is closed
@@ -590,11 +598,11 @@ def test_scalar_and_tensorboard_writes_on_a_full_disk(tmp_path, monkeypatch):
     writer = ScalarWriter()
     writer.open(str(tmp_path / "b"), str(tmp_path / "b" / "tensorboard"))
     writer._file = FullAtClose(writer._file)
-    monkeypatch.setattr(SummaryWriter, "close", full)
     writer.add({"train/loss": 1.0}, 0)
     with pytest.raises(OutputError) as info:
         writer.close()
-    assert f"no space left on the device of {tmp_path / 'b' / 'tensorboard'}" in str(info.value)
+    assert f"no space left on the device of {tmp_path / 'b'}" in str(info.value)
+    assert "scalars.jsonl" in str(info.value)
     assert writer._file is None and writer._tb is None  # both closed
 
 
