@@ -299,6 +299,7 @@ def run_script(repo, env, script: str, *args: str, cwd=None) -> str:
 # ----------------------------------------------------------------------------------------------
 # KgCoOp's configs, keys and scripts
 # ----------------------------------------------------------------------------------------------
+KEYS_SAMPLE = ["TRAINER.SAMPLe.ENBLR", "SAMPLe"]
 KGCOOP_TRAIN_OPTS = ["TRAINER.COOP.N_CTX", "4", "TRAINER.COOP.CSC", "False"]
 KGCOOP_TRAIN_OPTS += ["TRAINER.COOP.W", "2.0", "TRAINER.COOP.CLASS_TOKEN_POSITION", "front"]
 
@@ -328,6 +329,9 @@ def test_kgcoop_files_are_read_as_kgcoop_keys(tmp_path, tiny_clip_opts):
         notes := [],
     )
     assert cfg.TRAINER.KGCOOP.CTX_INIT == "" and "dropped (unused)" in notes[-1]
+    # the SAMPLe authors' aliases report their mapping through the same seam
+    setup_cfg(build_parser().parse_args(["--trainer", "SAMPLe"] + KEYS_SAMPLE), notes := [])
+    assert "TRAINER.SAMPLe (ENBLR SAMPLe) -> OPTIM.SAM.NAME sample" in notes
     # the test script's keys take effect (they changed nothing before)
     opts = ["TRAINER.COOP.N_CTX", "8", "TRAINER.COOP.CTX_INIT", "", "TRAINER.COOP.CSC", "True"]
     tr = build_trainer(make_cfg([*tiny_clip_opts, *opts], trainer="KgCoOp"), classnames=CLASSES)

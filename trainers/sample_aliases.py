@@ -171,7 +171,7 @@ class _AuthorsAlias:
         notes = []
         for key, value in sam_keys(node, name).items():
             _set(cfg, key, value)
-            notes.append(f"TRAINER.{NODE}.ENBLR {node.ENBLR} -> {key} {value!r}")
+            notes.append(f"TRAINER.{NODE} (ENBLR {node.ENBLR}) -> {key} {value}")
         cfg.REPRODUCTION = node.REPRODUCTION  # the alias's mode chooses the overlay
         return notes
 
