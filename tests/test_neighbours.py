@@ -394,21 +394,14 @@ def test_kgcoop_scripts_train_and_test_and_every_parser_finds_the_results(
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def train_py(capsys):
-    """train.py's ``run(argv)`` in this process: (exit code, stderr); the log handlers it
-    attaches are removed afterwards."""
-    import logging
-
-    from engine.cli import run
+    """train.py in this process (engine.runner): ``args -> (exit code, stderr)``."""
+    from engine.runner import run_in_process
 
     def call(args):
-        code = run(args)
+        code = run_in_process(args)
         return code, capsys.readouterr().err
 
-    yield call
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, "_engine_handler", False)]:
-        root.removeHandler(handler)
-        handler.close()
+    return call
 
 
 def test_eval_rerun_takes_over_a_folder_without_checkpoints(
