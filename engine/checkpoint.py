@@ -30,6 +30,7 @@ import logging
 import os
 import os.path as osp
 import pickle
+import re
 import zipfile
 
 import numpy as np
@@ -42,6 +43,7 @@ from .utils import atomic_torch_save, atomic_write_text
 logger = logging.getLogger(__name__)
 
 ROLLING_NAME = "model-last.pth.tar"  # the per-epoch checkpoint (not in Dassl's layout)
+UNKNOWN_TRAINER = "an unknown trainer"  # infer_trainer's answer when nothing tells
 
 
 def _plain_defaultdict(default_factory=None, *args):
@@ -203,31 +205,68 @@ def latest_checkpoint(model_dir: str) -> str | None:
 
 
 # -- tensors of the original code bases -----------------------------------------------------------
-# buffers and frozen parts that original checkpoints hold and this project rebuilds
+# buffers and frozen parts that original checkpoints hold and this project rebuilds (PromptSRC's
+# ZS_image_encoder: its frozen teacher inside the prompt learner)
 _IGNORED_SUFFIXES = ("token_prefix", "token_suffix", "tokenized_prompts")
-_IGNORED_PREFIXES = ("image_encoder.", "text_encoder.", "model_distill.", "logit_scale")
+_IGNORED_PREFIXES = (
+    "image_encoder.",
+    "text_encoder.",
+    "model_distill.",
+    "logit_scale",
+    "ZS_image_encoder.",
+)
 # renames of tensors of the original code bases (prefix -> prefix)
 _RENAMES = (("adapter_image.fc.", "image_adapter."), ("adapter_text.fc.", "text_adapter."))
+# IVLP's and PromptSRC's whole-model names (PromptSRC's code base, also the SAMPLe authors'
+# SAMPLeSRC): the first vision prompt on the image encoder, the deep prompts of block N >= 1 as
+# ``VPT_shallow`` parameters of the blocks themselves. Here: vpt, deep_vision.N-1, deep_text.N-1.
+_FIRST_VISION_PROMPT = "image_encoder.VPT"
+_DEEP_PROMPT = re.compile(r"^(image|text)_encoder\.transformer\.resblocks\.(\d+)\.VPT_shallow$")
 
 
 def _ignorable(key: str) -> bool:
     return key.endswith(_IGNORED_SUFFIXES) or key.startswith(_IGNORED_PREFIXES)
 
 
-def _candidates(state_dict: dict) -> list[dict]:
-    """The checkpoint's tensors under the names this project may use: as saved; with the
-    original code bases' renames; without MaPLe/CoPrompt's whole-model ``prompt_learner.``."""
+def _ivlp_name(key: str) -> str:
+    """This project's name of a tensor of PromptSRC's code base's IVLP-style whole model."""
+    if key == _FIRST_VISION_PROMPT:
+        return "vpt"
+    deep = _DEEP_PROMPT.match(key)
+    if deep:
+        tower = "deep_vision" if deep.group(1) == "image" else "deep_text"
+        return f"{tower}.{int(deep.group(2)) - 1}"  # block N's prompt: deep_*[N-1]
+    return key[len("prompt_learner.") :] if key.startswith("prompt_learner.") else key
+
+
+def _candidates(state_dict: dict) -> list[tuple[dict, dict]]:
+    """The checkpoint's tensors under the names this project may use, each with a map from
+    the new name to the saved one: as saved; with the original code bases' renames; without
+    MaPLe/CoPrompt's whole-model ``prompt_learner.``; with IVLP/PromptSRC's whole-model names
+    (deep prompts by block)."""
     plain = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
-    renamed = {}
+    renamed, origin = {}, {}
     for k, v in plain.items():
-        for old, new in _RENAMES:
-            if k.startswith(old):
-                k = new + k[len(old) :]
-        renamed[k] = v
+        new = k
+        for old, to in _RENAMES:
+            if new.startswith(old):
+                new = to + new[len(old) :]
+        renamed[new], origin[new] = v, k
     stripped = {
         k[len("prompt_learner.") :]: v for k, v in plain.items() if k.startswith("prompt_learner.")
     }
-    return [plain, renamed, stripped]
+    ivlp = {_ivlp_name(k): (k, v) for k, v in plain.items()}
+    return [
+        (plain, {}),
+        (renamed, origin),
+        (stripped, {k: f"prompt_learner.{k}" for k in stripped}),
+        ({k: v for k, (_, v) in ivlp.items()}, {k: old for k, (old, _) in ivlp.items()}),
+    ]
+
+
+def _named(keys: list[str], origin: dict) -> list[str]:
+    """``keys`` with the name each has in the checkpoint where that differs."""
+    return [f"{k} (saved as {origin[k]})" if origin.get(k, k) != k else k for k in keys]
 
 
 def infer_trainer(checkpoint: dict, path: str) -> tuple[str, str]:
@@ -238,6 +277,10 @@ def infer_trainer(checkpoint: dict, path: str) -> tuple[str, str]:
     keys = list(sd)
     folder = osp.basename(osp.dirname(osp.abspath(path)))
     how = "inferred from its folder and tensor names"
+    if any(k.endswith(("VPT", "VPT_shallow")) for k in keys):
+        if any("ZS_image_encoder." in k for k in keys):  # PromptSRC's frozen teacher
+            return "PromptSRC", how + "; the SAMPLe authors' SAMPLeSRC saves the same tensors"
+        return "IVLP", how
     if any("adapter" in k for k in keys):
         return "CoPrompt", how
     if folder == "MultiModalPromptLearner" or any("compound_prompt" in k for k in keys):
@@ -250,7 +293,7 @@ def infer_trainer(checkpoint: dict, path: str) -> tuple[str, str]:
         return "TCP", how
     if "ctx" in keys:
         return "CoOp", how
-    return "an unknown trainer", how
+    return UNKNOWN_TRAINER, how
 
 
 def _apply_config_hparams(optim, sched, config_groups: list, config_base_lrs: list) -> None:
@@ -411,18 +454,19 @@ class CheckpointMixin:
         if "state_dict" not in checkpoint:  # a bare state dict (older callers)
             checkpoint = {"state_dict": checkpoint}
         best, best_score = None, None
-        for cand in _candidates(checkpoint["state_dict"]):
+        for cand, origin in _candidates(checkpoint["state_dict"]):
             missing = [k for k in own if k not in cand]
             extra = [k for k in cand if k not in own and not _ignorable(k)]
             shapes = [
-                f"{k}: checkpoint {tuple(cand[k].shape)}, model {tuple(v.shape)}"
+                f"{_named([k], origin)[0]}: checkpoint {tuple(cand[k].shape)}, model "
+                f"{tuple(v.shape)}"
                 for k, v in own.items()
                 if k in cand and tuple(cand[k].shape) != tuple(v.shape)
             ]
             score = len(missing) + len(extra) + len(shapes)
             if best_score is None or score < best_score:
-                best, best_score = (cand, missing, extra, shapes), score
-        cand, missing, extra, shapes = best
+                best, best_score = (cand, origin, missing, extra, shapes), score
+        cand, origin, missing, extra, shapes = best
         made_by, how = infer_trainer(checkpoint, path)
         this = self.trainer_name()
         if missing or extra or shapes:
@@ -430,15 +474,16 @@ class CheckpointMixin:
             if missing:
                 parts.append(f"missing tensors {missing}")
             if extra:
-                parts.append(f"unexpected tensors {extra}")
+                parts.append(f"unexpected tensors {_named(extra, origin)}")
             if shapes:
                 parts.append("different shapes (" + "; ".join(shapes) + ")")
+            known = made_by != UNKNOWN_TRAINER
+            which = f"--trainer {made_by} and its config files" if known else "its config.yaml"
             raise CheckpointError(
                 f"Checkpoint {path} was made by {made_by} ({how}) and does not fit this {this} "
                 f"model '{name}': {', '.join(parts)}. Evaluate it with the trainer and the "
                 f"TRAINER.* settings (N_CTX, PROMPT_DEPTH, CSC, ...) of the run that made it "
-                f"(--trainer {made_by.split()[-1]} and its config files), or give a checkpoint "
-                f"of a {this} run with these settings."
+                f"({which}), or give a checkpoint of a {this} run with these settings."
             )
         if made_by != this and checkpoint.get("trainer"):
             logger.warning("%s was made by %s, loaded into %s", path, made_by, this)

@@ -141,10 +141,15 @@ def reset_cfg(cfg, args) -> None:
         cfg.MODEL.HEAD.NAME = args.head
 
 
-def setup_cfg(args):
+def setup_cfg(args, notes: list | None = None):
     """plugins (engine/plugins.py) -> defaults -> trainer keys -> dataset config -> trainer
     config -> optim config -> flags -> opts -> the reproduction mode's overlay (engine/repro.py)
-    -> opts again (they win)."""
+    -> opts again (they win).
+
+    Every key of the files and options passes the trainer's ``translate_key`` (another code
+    base's keys, e.g. KgCoOp's ``TRAINER.COOP.*``); ``notes`` receives one line per key that it
+    changed, and one per line returned by the trainer's ``translate_cfg``.
+    """
     from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
     from .plugins import env_plugins, load_plugins, plugins_in_files, plugins_in_opts, unique
     from .registry import TRAINER_REGISTRY
@@ -169,23 +174,26 @@ def setup_cfg(args):
             "setup_cfg: no trainer is registered; import the trainers first (import trainers)"
         )
     cfg = get_cfg_default()
+    notes = [] if notes is None else notes
+    trainer = TRAINER_REGISTRY.get(args.trainer) if args.trainer in TRAINER_REGISTRY else None
+    translate = trainer.translate_key if trainer is not None else None
     if args.dataset_config_file:
-        merge_from_file(cfg, args.dataset_config_file)
+        merge_from_file(cfg, args.dataset_config_file, translate, notes)
     for path in args.config_file:
-        merge_from_file(cfg, path)
+        merge_from_file(cfg, path, translate, notes)
     if getattr(args, "optim_config_file", ""):
-        merge_from_file(cfg, args.optim_config_file)
+        merge_from_file(cfg, args.optim_config_file, translate, notes)
     reset_cfg(cfg, args)
     flags = [o for o in opts[0::2] if o.startswith("--")]
     if flags:
         raise ConfigError(
             f"Flag {flags[0]} comes after the KEY VALUE options; put all --flags before them"
         )
-    merge_from_list(cfg, opts)
+    merge_from_list(cfg, opts, translate=translate, notes=notes)
     cfg.PLUGINS = plugins  # every plugin of the run, wherever it was named
     if cfg.TRAINER.NAME in TRAINER_REGISTRY:  # another code base's keys -> ours (default: none)
-        TRAINER_REGISTRY.get(cfg.TRAINER.NAME).translate_cfg(cfg)
-    apply_reproduction(cfg, getattr(args, "repro", ""), opts)  # the mode's overlay; opts win
+        notes.extend(TRAINER_REGISTRY.get(cfg.TRAINER.NAME).translate_cfg(cfg) or [])
+    apply_reproduction(cfg, getattr(args, "repro", ""), opts, translate)  # opts win
     cfg.freeze()
     return cfg
 
@@ -196,17 +204,18 @@ def main(args) -> int:
     from .run_folder import RunFolder
     from .validate import validate_cfg
 
-    cfg = setup_cfg(args)
+    notes: list[str] = []
+    cfg = setup_cfg(args, notes)
     validate_cfg(cfg)  # before the output folder is touched
     folder = RunFolder(cfg.OUTPUT_DIR)
     folder.acquire()  # one process per folder, for the run's life
     try:
-        return _run_in_folder(args, cfg, folder)
+        return _run_in_folder(args, cfg, folder, notes)
     finally:
         folder.release()
 
 
-def _run_in_folder(args, cfg, folder) -> int:
+def _run_in_folder(args, cfg, folder, notes=()) -> int:
     import os.path as osp
 
     from . import build_trainer
@@ -225,11 +234,23 @@ def _run_in_folder(args, cfg, folder) -> int:
     if not args.eval_only:
         folder.check_divergence(force=force)
     folder.remove_orphans()
+    kept = folder.set_aside_previous_run() if folder.reclaimed else []
     if cfg.SEED >= 0:
         set_random_seed(cfg.SEED)
     setup_logger(cfg.OUTPUT_DIR)
+    if folder.reclaimed:
+        logger.info(
+            "Output folder %s holds no checkpoint (its earlier run only evaluated, or stopped "
+            "before its first checkpoint), so this run takes it over although its experiment "
+            "differs (%s); the earlier run's files are kept as %s",
+            folder.path,
+            "; ".join(folder.reclaimed),
+            ", ".join(kept) or "nothing",
+        )
     if moved:
         logger.warning("--overwrite: the previous content of %s is now in %s", folder.path, moved)
+    for note in notes:  # another code base's keys, mapped by the trainer (translate_key/_cfg)
+        logger.info("Config translated for --trainer %s: %s", cfg.TRAINER.NAME, note)
     dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))
     logger.info("***************\n** Arguments **\n***************")
     for key in sorted(vars(args)):

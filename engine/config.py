@@ -14,6 +14,7 @@ import ast
 import contextlib
 import difflib
 import os
+from collections.abc import Callable
 
 import yaml
 from yacs.config import CfgNode as CN
@@ -271,6 +272,11 @@ def _all_keys(cfg: CN, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(cfg: CN, full_key: str, source: str) -> ConfigError:
+    from .neighbour_keys import foreign_key_error
+
+    foreign = foreign_key_error(full_key, source)
+    if foreign is not None:
+        return foreign
     known = _all_keys(cfg)
     close = difflib.get_close_matches(full_key, known, n=1, cutoff=0.6)
     hint = f" (do you mean {close[0]}?)" if close else ""
@@ -330,14 +336,65 @@ def _set_key(cfg: CN, full_key: str, value, source: str) -> None:
     node[leaf] = _coerce(value, node[leaf], full_key, source)
 
 
-def merge_from_dict(cfg: CN, values: dict, source: str = "a dict") -> None:
-    """Merge a nested dict into ``cfg`` with the strict checks."""
+# A key translation (see TrainerBase.translate_key): ``(full key, value, source)`` -> the
+# ``(key, value)`` pairs to merge instead (none: the key is dropped).
+Translate = Callable[[str, object, str], list]
+
+
+def _leaves(values: dict, prefix: str = ""):
+    """``(full key, value)`` of every non-mapping value of a nested dict."""
     for k, v in values.items():
-        _set_key(cfg, str(k), v, source)
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _leaves(v, key + ".")
+        else:
+            yield key, v
 
 
-def merge_from_file(cfg: CN, path: str) -> None:
-    """Merge a YAML file into ``cfg``; a missing file or bad key/type raises ConfigError."""
+def _merge_pairs(cfg: CN, pairs, source: str, translate: Translate | None, notes) -> None:
+    for key, value in pairs:
+        if translate is None:
+            _set_key(cfg, key, value, source)
+            continue
+        moved = list(translate(key, value, source))
+        for new_key, new_value in moved:
+            _set_key(cfg, new_key, new_value, source)
+        if notes is not None and moved != [(key, value)]:
+            to = ", ".join(f"{k} {_shown(v)}" for k, v in moved) or "dropped (unused)"
+            notes.append(f"{key} {_shown(value)} ({source}) -> {to}")
+
+
+def _shown(value) -> str:
+    """A value as a log line shows it: words quoted, the rest as written."""
+    return repr(value) if isinstance(value, str) and (" " in value or not value) else str(value)
+
+
+def merge_from_dict(
+    cfg: CN,
+    values: dict,
+    source: str = "a dict",
+    translate: Translate | None = None,
+    notes: list | None = None,
+) -> None:
+    """Merge a nested dict into ``cfg`` with the strict checks.
+
+    Args:
+        translate: maps each leaf ``(key, value, source)`` to the pairs merged instead (another
+            code base's keys, :meth:`engine.trainer.TrainerBase.translate_key`).
+        notes: receives one line per translated key (``old -> new``), for the run's log.
+    """
+    if translate is None:
+        for k, v in values.items():
+            _set_key(cfg, str(k), v, source)
+        return
+    _merge_pairs(cfg, _leaves(values), source, translate, notes)
+
+
+def merge_from_file(
+    cfg: CN, path: str, translate: Translate | None = None, notes: list | None = None
+) -> None:
+    """Merge a YAML file into ``cfg``; a missing file or bad key/type raises ConfigError.
+    ``translate``/``notes``: see :func:`merge_from_dict`."""
     if not os.path.isfile(path):
         raise ConfigError(f"Config file not found: {path}")
     with open(path) as f:
@@ -347,17 +404,23 @@ def merge_from_file(cfg: CN, path: str) -> None:
             raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
     if not isinstance(values, dict):
         raise ConfigError(f"Config file {path} must hold a mapping of keys, not {type(values)}")
-    merge_from_dict(cfg, values, source=f"config file {path}")
+    merge_from_dict(cfg, values, f"config file {path}", translate, notes)
 
 
-def merge_from_list(cfg: CN, opts: list[str], source: str = "the command line") -> None:
-    """Merge ``[KEY, VALUE, KEY, VALUE, ...]`` (train.py's trailing options) into ``cfg``."""
+def merge_from_list(
+    cfg: CN,
+    opts: list[str],
+    source: str = "the command line",
+    translate: Translate | None = None,
+    notes: list | None = None,
+) -> None:
+    """Merge ``[KEY, VALUE, KEY, VALUE, ...]`` (train.py's trailing options) into ``cfg``.
+    ``translate``/``notes``: see :func:`merge_from_dict`."""
     if len(opts) % 2 != 0:
         raise ConfigError(
             f"Options from {source} must come in KEY VALUE pairs; got an odd number: {opts}"
         )
-    for key, value in zip(opts[0::2], opts[1::2]):
-        _set_key(cfg, key, value, source)
+    _merge_pairs(cfg, zip(opts[0::2], opts[1::2]), source, translate, notes)
 
 
 def dump_cfg(cfg: CN, path: str) -> None:

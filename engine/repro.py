@@ -36,13 +36,15 @@ def overlay_files(mode: str, trainer: str = "", optim: str = "") -> list[str]:
     return [f for f in files if osp.isfile(f)]
 
 
-def apply_reproduction(cfg, mode: str, opts: list[str]) -> None:
+def apply_reproduction(cfg, mode: str, opts: list[str], translate=None) -> None:
     """Merge the overlay of ``mode`` into ``cfg``, then ``opts`` again (they win).
 
     Args:
         cfg: the merged config (not frozen).
         mode: ``paper`` or ``released`` (empty: ``cfg.REPRODUCTION``).
         opts: the command line's ``KEY VALUE`` options, already merged once.
+        translate: the trainer's key translation, applied to ``opts`` as the first time
+            (:func:`engine.config.merge_from_list`).
     """
     from .config import merge_from_file, merge_from_list
 
@@ -50,7 +52,7 @@ def apply_reproduction(cfg, mode: str, opts: list[str]) -> None:
     for path in overlay_files(mode, cfg.TRAINER.NAME, cfg.OPTIM.SAM.NAME):
         merge_from_file(cfg, path)
     cfg.REPRODUCTION = mode
-    merge_from_list(cfg, opts)
+    merge_from_list(cfg, opts, translate=translate)
     if cfg.REPRODUCTION != mode:
         raise ConfigError(
             f"--repro {mode} and REPRODUCTION {cfg.REPRODUCTION} disagree: give the mode once"

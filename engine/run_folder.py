@@ -8,6 +8,11 @@
   re-run with different values stops with the differing keys, before ``config.yaml`` is
   rewritten; ``train.py --overwrite`` moves the old content aside and starts over,
   ``--force-resume`` continues with the new values.
+- **No experiment yet**: a folder that holds no checkpoint (its earlier run only evaluated, or
+  failed or stopped before its first checkpoint) has nothing a re-run could resume or mix with,
+  so it belongs to no experiment: a run with other values proceeds, as Dassl re-runs into any
+  folder, and the earlier run's ``log.txt`` and ``scalars.jsonl`` are kept as
+  ``<name>-<time>`` (:meth:`RunFolder.set_aside_previous_run`).
 - **Divergence**: a run that stopped on NaN/inf leaves ``<output>/diverged.json``; a re-run
   refuses to resume past it unless ``--force-resume`` (or ``--overwrite``) is given.
 - **Orphans**: temporary files of atomic writes that a crash left behind are removed when a run
@@ -127,6 +132,9 @@ class RunFolder:
     def __init__(self, path: str):
         self.path = path
         self._fd: int | None = None
+        # the differences to the folder's recorded experiment that were accepted because the
+        # folder holds no checkpoint (see check_experiment); empty otherwise
+        self.reclaimed: list[str] = []
 
     # -- lock ------------------------------------------------------------------------------------
     def acquire(self) -> None:
@@ -200,6 +208,9 @@ class RunFolder:
         diffs = _differences(old, flat)
         if not diffs:
             return
+        if not self.holds_checkpoints():  # nothing to resume or to mix with: no experiment
+            self.reclaimed = diffs
+            return
         if force:
             logger.warning(
                 "--force-resume: continuing %s with a changed experiment: %s",
@@ -214,6 +225,43 @@ class RunFolder:
             + ". Use another --output-dir, or pass --overwrite to move the old run aside and "
             "start over, or --force-resume to continue it with the new values."
         )
+
+    def holds_checkpoints(self) -> bool:
+        """Whether ``<output>/<model>/`` holds a checkpoint (numbered, best or rolling): what a
+        re-run would resume."""
+        from .checkpoint import ROLLING_NAME
+
+        names = ("checkpoint", "model-best.pth.tar", ROLLING_NAME)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.path):
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                with contextlib.suppress(OSError):
+                    for f in os.listdir(entry.path):
+                        if f in names or f.startswith("model.pth.tar-"):
+                            return True
+        return False
+
+    def set_aside_previous_run(self) -> list[str]:
+        """Keep the earlier run's ``log.txt`` and ``scalars.jsonl`` (of a folder accepted by
+        :meth:`check_experiment` without a checkpoint) as ``<name>-<time of its last write>``,
+        Dassl's suffix; returns the new names."""
+        kept = []
+        for name in ("log.txt", "scalars.jsonl"):
+            path = osp.join(self.path, name)
+            if not osp.isfile(path):
+                continue
+            stamp = time.strftime("-%Y-%m-%d-%H-%M-%S", time.localtime(osp.getmtime(path)))
+            dest, n = path + stamp, 1
+            while osp.exists(dest):
+                n += 1
+                dest = f"{path}{stamp}-{n}"
+            try:
+                os.replace(path, dest)
+            except OSError as e:
+                raise output_error(e, dest) from e
+            kept.append(osp.basename(dest))
+        return kept
 
     def record_experiment(self, flat: dict) -> None:
         atomic_write_text(

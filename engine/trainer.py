@@ -56,6 +56,12 @@ logger = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "fp16", "amp", "bf16")
 
+# The end-of-training lines of Dassl's current ("Finish training": CoOp's parse_test_res.py
+# starts reading results after it) and older versions ("Finished training": the parsers of
+# MaPLe, PromptSRC and KgCoOp); each is written alone on its line, as their parsers compare
+# whole (stripped) lines.
+TRAIN_END_LINES = ("Finish training", "Finished training")
+
 _DASSL_STEP_HINT = (
     "This engine takes the optimizer step itself: state prepare_step(batch) (work without "
     "gradients) and compute_loss(inputs) (the loss) in the trainer, and the engine's "
@@ -105,15 +111,30 @@ class TrainerBase(CheckpointMixin):
         """Add this trainer's ``TRAINER.<NODE>`` keys to ``cfg`` (override per trainer)."""
 
     @classmethod
-    def translate_cfg(cls, cfg) -> None:
+    def translate_cfg(cls, cfg) -> list[str] | None:
         """Map keys of another code base's interface onto this project's keys (default: none).
 
         Called by :func:`engine.cli.setup_cfg` on the merged, not yet frozen config of the trainer
         named by ``--trainer``, after every file and ``KEY VALUE`` option and before the
         reproduction mode's overlay (so a translation may choose ``REPRODUCTION``); e.g. the
         SAMPLe authors' aliases map ``TRAINER.SAMPLe.*`` onto the prompt-learner and ``OPTIM.SAM``
-        keys (``trainers/sample_aliases.py``). Must be idempotent.
+        keys (``trainers/sample_aliases.py``). Must be idempotent. Returns lines for the run's
+        log (``old -> new``), or None.
         """
+
+    @classmethod
+    def translate_key(cls, key: str, value, source: str) -> list[tuple[str, object]]:
+        """Map one key of another code base's config files or options before it is merged.
+
+        Called by :func:`engine.cli.setup_cfg` (through the merge functions of
+        :mod:`engine.config`) for every leaf ``key``/``value`` of every config file and
+        ``KEY VALUE`` option of a run of this trainer; returns the pairs to merge instead (none:
+        the key is dropped; raise :class:`~engine.errors.ConfigError` to refuse it). Every
+        change is logged. Default: the key unchanged. E.g. KgCoOp reads KgCoOp's
+        ``TRAINER.COOP.*`` keys as its own node (trainers/kgcoop.py); :meth:`translate_cfg`
+        runs after the merge.
+        """
+        return [(key, value)]
 
     @classmethod
     def config_node(cls) -> str:
@@ -433,7 +454,8 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.time_start = time.time()
 
     def after_train(self):
-        logger.info("Finish training")
+        for line in TRAIN_END_LINES:
+            logger.info(line)
         do_test = not self.cfg.TEST.NO_TEST
         if do_test:
             if self.cfg.TEST.FINAL_MODEL == "best_val":

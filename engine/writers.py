@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import os.path as osp
+import threading
 from collections.abc import Callable
 
 import torch
 
-from .utils import atomic_write_text, mkdir_if_missing, output_error
+from .utils import OUTPUT_ERRNOS, atomic_write_text, mkdir_if_missing, output_error
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ScalarWriter:
             except ImportError:  # tensorboard is optional
                 logger.info("tensorboard is not installed: scalars go to scalars.jsonl only")
             else:
+                _quiet_writer_thread_errors()
                 self._tb = SummaryWriter(log_dir=tb_dir)
         return self._tb
 
@@ -107,8 +109,11 @@ class ScalarWriter:
                 for k, v in d.items()
             }
             if tb is not None:
-                for k, v in row.items():
-                    tb.add_scalar(k, v, step)
+                try:
+                    for k, v in row.items():
+                        tb.add_scalar(k, v, step)
+                except OSError as e:  # its writer thread's error surfaces here
+                    raise _tensorboard_error(e, tb) from e
             if self._file is not None:
                 text = json.dumps({"step": step, **row}) + "\n"
                 try:
@@ -123,11 +128,50 @@ class ScalarWriter:
                 raise output_error(e, self._path) from e
 
     def close(self) -> None:
-        self.flush()
+        """Flush and close both writers; a failed write (a full disk, a read-only folder) is
+        raised as one :class:`~engine.utils.OutputWriteError` after both are closed."""
+        errors = []
+        try:
+            self.flush()
+        except OSError as e:
+            self._pending.clear()  # not written; the error says where
+            errors.append(e)
         self._tb_dir = ""
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()  # writes the events still queued for its writer thread
+            except OSError as e:
+                errors.append(_tensorboard_error(e, tb))
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()  # writes what is still buffered
+            except OSError as e:
+                errors.append(output_error(e, self._path))
+        if errors:
+            raise errors[0]
+
+
+def _quiet_writer_thread_errors() -> None:
+    """Keep a failed write of tensorboard's writer thread (a full disk) from printing its own
+    traceback: tensorboard raises the same error again in the training thread at its next
+    write or at close, where :class:`ScalarWriter` reports it as one paragraph. Other threads'
+    errors, and other errors, go to the previous ``threading.excepthook``."""
+    if getattr(threading.excepthook, "_engine_writer_hook", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        exc = args.exc_value
+        writer_thread = type(args.thread).__name__ == "_AsyncWriterThread"
+        if not (writer_thread and isinstance(exc, OSError) and exc.errno in OUTPUT_ERRNOS):
+            previous(args)
+
+    hook._engine_writer_hook = True
+    threading.excepthook = hook
+
+
+def _tensorboard_error(e: OSError, tb) -> OSError:
+    """``e`` of tensorboard's writer as an OutputWriteError naming its event files' folder."""
+    return output_error(e, osp.join(tb.get_logdir(), "events.out.tfevents.*"))

@@ -203,6 +203,8 @@ def test_experiment_fingerprint_keys(tiny_clip_opts, tmp_path):
     assert not set(flat) & set(NOT_EXPERIMENT_KEYS)  # paths, logging, workers, ...
     folder = RunFolder(str(tmp_path))
     folder.record_experiment(flat)
+    (tmp_path / "prompt_learner").mkdir()  # a trained run: its checkpoint
+    (tmp_path / "prompt_learner" / "model.pth.tar-1").write_bytes(b"")
     newer = {**flat, "OPTIM.A_NEW_KEY": 1}  # a key added by a newer version of the code
     folder.check_experiment(newer)
     with pytest.raises(OutputError, match=r"TRAINER.COOP.N_CTX: 16 in the folder, 8 now"):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.clip import TextEncoder, load_clip
+from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
@@ -170,6 +171,24 @@ class CoCoOp(TrainerX):
     """Conditional Context Optimization (CoCoOp)."""
 
     add_config = staticmethod(add_cocoop_config)
+
+    @classmethod
+    def translate_key(cls, key, value, source):
+        """KgCoOp's CoCoOp configs' ``CTX_INIT: True/False``: False is "" (random context); True
+        is refused (its meaning there has no equivalent here)."""
+        flag = str(value).strip().lower()
+        if key != "TRAINER.COCOOP.CTX_INIT" or flag not in ("true", "false"):
+            return [(key, value)]
+        if flag == "false":
+            return [(key, "")]
+        raise ConfigError(
+            f"TRAINER.COCOOP.CTX_INIT True in {source} comes from KgCoOp's code base "
+            "(htyao89/KgCoOp, configs/trainers/CoCoOp/), whose CoCoOp then builds N_CTX context "
+            "vectors of which the last ones are the embeddings of the dataset's template words "
+            "and the others random; this project's CoCoOp initialises the context from the "
+            'words it is given: set TRAINER.COCOOP.CTX_INIT "a photo of a" (with N_CTX 4 the '
+            'same prompt as KgCoOp\'s for the "a photo of a {}." datasets) or "" (random)'
+        )
 
     def build_model(self):
         cfg = self.cfg

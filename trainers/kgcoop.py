@@ -16,7 +16,10 @@ context is trained; CLIP is frozen. Differences from KgCoOp's code base, all del
 
 - the keys live in ``TRAINER.KGCOOP`` (KgCoOp reads ``TRAINER.COOP`` plus ``COOP.W``);
   ``CTX_INIT`` is the initial text as in CoOp (KgCoOp's ``CTX_INIT True`` always meant
-  "a photo of a");
+  "a photo of a"). KgCoOp's own files and scripts run unchanged: :meth:`KgCoOp.translate_key`
+  reads their ``TRAINER.COOP.*`` keys as ``TRAINER.KGCOOP.*`` (``CTX_INIT True`` -> "a photo
+  of a", ``False`` -> "" (random); ``ALPHA``, declared by KgCoOp's train.py and read by none of
+  its trainers, is dropped), and the run's log lists each such key;
 - the regulariser applies in every precision mode (KgCoOp's amp path dropped it) and with
   every optimizer (the engine's step);
 - ``w^clip`` comes from the same frozen CLIP (KgCoOp loads a second copy), is computed once and
@@ -58,6 +61,23 @@ def add_kgcoop_config(cfg) -> None:
     cfg.TRAINER.KGCOOP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 context) | amp | bf16
     cfg.TRAINER.KGCOOP.CLASS_TOKEN_POSITION = "end"  # end | middle | front
     cfg.TRAINER.KGCOOP.W = 8.0  # weight of L_kg = 1 - mean cos(text, hand-crafted text)
+
+
+# KgCoOp's code base declares its keys in TRAINER.COOP (its train.py's extend_cfg)
+COOP_NODE = "TRAINER.COOP."
+KGCOOP_KEYS = ("N_CTX", "CSC", "CTX_INIT", "PREC", "CLASS_TOKEN_POSITION", "W")
+UNUSED_KEYS = ("ALPHA",)  # declared by KgCoOp's train.py, read by none of its trainers
+KGCOOP_CTX_INIT = "a photo of a"  # what KgCoOp's PromptLearner uses whenever CTX_INIT is true
+
+
+def kgcoop_ctx_init(value):
+    """KgCoOp's ``CTX_INIT`` (a bool in its configs) as this project's initial words."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if value is True or text == "true":
+        return KGCOOP_CTX_INIT
+    if value is False or value is None or text in ("false", "none"):
+        return ""
+    return value  # words: used as given (KgCoOp's code used "a photo of a" for any)
 
 
 def kgcoop_template(dataset_name: str, template: str = "") -> str:
@@ -107,6 +127,18 @@ class KgCoOp(PromptTrainer):
     """
 
     add_config = staticmethod(add_kgcoop_config)
+
+    @classmethod
+    def translate_key(cls, key, value, source):
+        """KgCoOp's files: ``TRAINER.COOP.<K>`` is ``TRAINER.KGCOOP.<K>`` (module docstring)."""
+        leaf = key[len(COOP_NODE) :] if key.startswith(COOP_NODE) else None
+        if leaf in UNUSED_KEYS:
+            return []
+        if leaf not in KGCOOP_KEYS:
+            return [(key, value)]
+        if leaf == "CTX_INIT":
+            value = kgcoop_ctx_init(value)
+        return [(f"TRAINER.KGCOOP.{leaf}", value)]
 
     def check_cfg(self, cfg):
         c = self.trainer_cfg(cfg)

@@ -46,10 +46,11 @@ import os.path as osp
 import torch
 import torch.nn.functional as F
 
+from engine.checkpoint import load_checkpoint
 from engine.clip import encode_texts
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
-from engine.utils import compute_accuracy
+from engine.utils import atomic_torch_save, compute_accuracy
 
 from .common import l2_normalize
 from .ivlp import IVLP, IVLPCLIP, add_independent_prompt_keys
@@ -273,7 +274,8 @@ class PromptSRC(IVLP):
         if self.start_epoch == 0:
             return
         path = self._gpa_path()
-        saved = torch.load(path, map_location="cpu") if osp.exists(path) else None
+        # weights only (engine.checkpoint's safe loader): tensors and numbers, nothing else
+        saved = load_checkpoint(path) if osp.exists(path) else None
         if saved is not None and saved["epoch"] == self.start_epoch:
             self.gpa_state = {k: v.to(self.device) for k, v in saved["state"].items()}
         else:
@@ -305,5 +307,5 @@ class PromptSRC(IVLP):
             path = self._gpa_path()
             os.makedirs(osp.dirname(path), exist_ok=True)
             state = {k: v.cpu() for k, v in self.gpa_state.items()}
-            torch.save({"epoch": self.epoch + 1, "state": state}, path)
+            atomic_torch_save({"epoch": self.epoch + 1, "state": state}, path)
         super().after_epoch()  # saves the checkpoint (the aggregate after the last epoch)

@@ -164,13 +164,16 @@ class _AuthorsAlias:
         add_sample_config(cfg)
 
     @classmethod
-    def translate_cfg(cls, cfg) -> None:
+    def translate_cfg(cls, cfg) -> list[str]:
         node = cfg.TRAINER[NODE]
         _choice("REPRODUCTION", node.REPRODUCTION, MODES)
         name = TRAINER_REGISTRY.name_of(cls) or cls.__name__
+        notes = []
         for key, value in sam_keys(node, name).items():
             _set(cfg, key, value)
+            notes.append(f"TRAINER.{NODE} (ENBLR {node.ENBLR}) -> {key} {value}")
         cfg.REPRODUCTION = node.REPRODUCTION  # the alias's mode chooses the overlay
+        return notes
 
     def check_cfg(self, cfg) -> None:
         mode = cfg.TRAINER[NODE].REPRODUCTION
