@@ -296,8 +296,8 @@ def test_failures_are_reported_and_resumed(tmp_path, fake_python, monkeypatch, c
 
 def test_slurm_submission_through_submitit(tmp_path, fake_python, monkeypatch, capsys):
     class FakeExecutor:
-        def __init__(self, folder):
-            self.folder, self.params = folder, {}
+        def __init__(self, folder, **kwargs):
+            self.folder, self.params, self.kwargs = folder, {}, kwargs
             created.append(self)
 
         def update_parameters(self, **params):
