@@ -259,32 +259,34 @@ def _expand_ids(job_id: str) -> list[str]:
 
 
 def slurm_jobs(job_ids: list[str]) -> tuple[str, dict[str, JobInfo]]:
-    """``(source, {job id: JobInfo})`` from ``sacct`` (``source`` = "sacct"), else ``squeue``
-    (only jobs that have not ended), else ``("", {})`` when SLURM cannot be asked."""
+    """``(source, {job id: JobInfo})`` of the jobs SLURM knows, from ``sacct`` (source "sacct";
+    ``squeue`` for jobs not in the accounting yet) or, without accounting, from ``squeue``
+    alone (source "squeue": it forgets a job once it ended); ``("", {})`` when neither answers.
+
+    A job known to neither ended without ever running (e.g. an array task cancelled while
+    pending: it gets no accounting record).
+    """
     mains = sorted({j.split("_")[0] for j in job_ids})
     if not mains:
         return "", {}
     cmd = ["sacct", "-X", "-D", "-n", "-P", "-o", "JobID,State", "-j", ",".join(mains)]
     out = _query(cmd)
-    if out is not None:
-        info: dict[str, JobInfo] = {}
-        for line in out.splitlines():
-            jid, _, state = line.partition("|")
-            for one in _expand_ids(jid.strip()):
-                seen = info.get(one)
-                info[one] = JobInfo(
-                    (state.split() or ["UNKNOWN"])[0], seen.requeues + 1 if seen else 0
-                )
-        return "sacct", info
-    out = _query(["squeue", "-h", "-r", "-o", "%i|%T"])
-    if out is None:
-        return "", {}
-    info = {}
-    for line in out.splitlines():
+    info: dict[str, JobInfo] = {}
+    for line in (out or "").splitlines():
         jid, _, state = line.partition("|")
-        if jid.split("_")[0] in mains:
-            info[jid.strip()] = JobInfo(state.strip() or "UNKNOWN", 0)
-    return "squeue", info
+        for one in _expand_ids(jid.strip()):
+            seen = info.get(one)
+            info[one] = JobInfo((state.split() or ["UNKNOWN"])[0], seen.requeues + 1 if seen else 0)
+    if out is None or any(j not in info for j in job_ids):
+        queue = _query(["squeue", "-h", "-r", "-o", "%i|%T"])
+        if queue is None and out is None:
+            return "", {}
+        for line in (queue or "").splitlines():
+            jid, _, state = line.partition("|")
+            jid = jid.strip()
+            if jid in job_ids and jid not in info:
+                info[jid] = JobInfo(state.strip() or "UNKNOWN", 0)
+    return ("sacct" if out is not None else "squeue"), info
 
 
 def _query(cmd: list[str]) -> str | None:
@@ -304,12 +306,12 @@ def chain_state(record: dict, source: str, jobs: dict[str, JobInfo]) -> tuple[st
     if done == len(runs):
         return "done", detail
     info = jobs.get(record["job_id"])
-    if info is None:  # sacct: not in the database yet; squeue: the job ended
-        if source == "sacct":
-            return "queued", detail
-        return ("failed" if source else "unknown"), detail + (
-            ", job ended" if source else ", SLURM not reachable"
-        )
+    if info is None:
+        if source == "sacct":  # no record and not queued: removed before it ever ran
+            return "cancelled", detail + ", job removed before it started"
+        if source == "squeue":  # without accounting, how an ended job ended is not known
+            return "failed", detail + ", job ended (no SLURM accounting to tell how)"
+        return "unknown", detail + ", SLURM not reachable"
     detail += f", SLURM {info.state}"
     if info.state in QUEUED:
         return "queued", detail
@@ -379,10 +381,7 @@ def wait(records: list[dict], poll_s: float = 30.0) -> int:
                 print(f"[requeued] job {jid}: {record['label']} (attempt {info.requeues + 1})",
                       flush=True)  # fmt: skip
             state, detail = chain_state(record, source, jobs)
-            if info is None:  # sacct: not recorded yet; squeue: the job ended
-                job_over = source == "squeue"
-            else:
-                job_over = info.state not in QUEUED | RUNNING
+            job_over = info is None or info.state not in QUEUED | RUNNING
             if state in ENDS and (job_over or state != "done"):
                 ended[jid] = state
                 print(_end_line(state, record, detail), flush=True)

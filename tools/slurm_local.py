@@ -12,6 +12,7 @@ Short ``KillWait``, credential lifetime and scheduler intervals make a requeued 
 within seconds instead of minutes. Commands (``sbatch``, ``squeue``, ``sacct``, ``scontrol``)
 reach this cluster through ``SLURM_CONF=<folder>/slurm.conf``::
 
+    python tools/slurm_local.py install                   # apt-get, when something is missing
     python tools/slurm_local.py start --dir /tmp/slurm    # prints: export SLURM_CONF=...
     export SLURM_CONF=/tmp/slurm/slurm.conf
     sinfo
@@ -377,15 +378,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("action", choices=("start", "stop"))
-    parser.add_argument("--dir", required=True, help="folder of the configuration, logs, state")
+    parser.add_argument("action", choices=("install", "start", "stop"))
+    parser.add_argument("--dir", help="folder of the configuration, logs, state (start, stop)")
     args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if args.action == "install":
+        if reason:
+            print(f"Error: {reason}", file=sys.stderr)
+            return 2
+        took = install()
+        print(f"Installed in {took:.1f} s" if took else f"{' '.join(PACKAGES)}: installed")
+        return 0
+    if not args.dir:
+        parser.error(f"{args.action} needs --dir")
     cluster = LocalCluster(args.dir)
     if args.action == "stop":
         cluster.stop()
         print(f"Stopped the cluster of {cluster.root}")
         return 0
-    reason = unavailable_reason()
     if reason:
         print(f"Error: {reason}", file=sys.stderr)
         return 2
