@@ -22,8 +22,8 @@ EPOCHS = 10  # long enough to requeue the training in its middle (a rolling chec
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory):
-    """A running cluster; SLURM_CONF points the grid's commands (sbatch, sacct, ...) to it."""
+def local_cluster(tmp_path_factory):
+    """A running one-node cluster (installed when missing), stopped at the end of the session."""
     reason = slurm_local.unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -31,14 +31,21 @@ def slurm_cluster(tmp_path_factory):
     cluster = slurm_local.LocalCluster(str(tmp_path_factory.mktemp("slurm")))
     started = cluster.start()
     print(f"\nSLURM cluster: installed in {installed:.1f} s, started in {started:.1f} s")
-    previous = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = cluster.conf
     yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(local_cluster):
+    """The cluster, with SLURM_CONF pointing the grid's commands (sbatch, sacct, ...) to it for
+    this module's tests."""
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = local_cluster.conf
+    yield local_cluster
     if previous is None:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +168,8 @@ def test_requeue_cancel_and_time_limit(reference, slurm_cluster, toy, tmp_path, 
         requeued = time.time()
         job_log = osp.join(out, "slurm", sgd, f"{sgd}_0_log.out")
         wait_for("the second attempt", lambda: "attempt 2 on" in read(job_log))
-        print(f"\nSLURM requeue to resume: {time.time() - requeued:.1f} s")
+        with capsys.disabled():
+            print(f"\nSLURM requeue to resume: {time.time() - requeued:.1f} s")
         # the evaluation started in the second attempt: submitit's time-limit signal, as SLURM
         # sends it signal_delay_s before the limit (unless SLURM's own clock already did)
         wait_for("the evaluation", lambda: osp.isfile(osp.join(test_dir, "console.txt")))

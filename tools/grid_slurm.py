@@ -290,8 +290,10 @@ def slurm_jobs(job_ids: list[str]) -> tuple[str, dict[str, JobInfo]]:
 
 
 def _query(cmd: list[str]) -> str | None:
+    """A SLURM command's output; None when it fails or hangs (without a slurm.conf, SLURM's
+    commands retry for a minute)."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
