@@ -383,6 +383,41 @@ def test_slurm_status_gpus_and_a_refused_submission(tmp_path, fake_python, monke
         assert f.read() == recorded
 
 
+def test_slurm_wait_reports_requeues_and_each_chains_end(tmp_path, monkeypatch, capsys):
+    from tools import grid_slurm
+
+    records = []
+    for i in range(3):
+        run = tmp_path / f"chain{i}"
+        run.mkdir()
+        (run / "console.txt").write_text("")
+        records.append({"job_id": f"5_{i}", "label": f"chain {i}", "train_dir": str(run),
+                        "runs": [[str(run), "train"]], "log": f"/logs/5_{i}.err"})  # fmt: skip
+    (tmp_path / "chain2" / "log.txt").write_text("Finish training\n* accuracy: 50.0%\n")
+    answers = iter(  # sacct -X -D: one line per attempt of a job
+        [
+            "5_0|PENDING\n5_1|PENDING\n5_2|PENDING\n",
+            "5_0|RUNNING\n5_1|RUNNING\n5_2|RUNNING\n",  # chain 2 is done, its job still runs
+            "5_0|FAILED\n5_1|REQUEUED\n5_1|RUNNING\n5_2|COMPLETED\n",
+            "5_0|FAILED\n5_1|REQUEUED\n5_1|CANCELLED by 0\n5_2|COMPLETED\n",
+        ]
+    )
+    monkeypatch.setattr(
+        grid_slurm, "_query", lambda cmd: next(answers) if cmd[0] == "sacct" else ""
+    )
+    assert grid_slurm.wait(records, poll_s=0) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == [
+        f"[failed] job 5_0: chain 0 (0/1 runs done, SLURM FAILED); logs: "
+        f"{tmp_path / 'chain0' / 'console.txt'}, /logs/5_0.err",
+        "[requeued] job 5_1: chain 1 (attempt 2)",
+        "[done] job 5_2: chain 2 (1/1 runs done)",
+        "[cancelled] job 5_1: chain 1 (0/1 runs done, SLURM CANCELLED); the next invocation of "
+        "the grid submits it again",
+        "3 chains: 1 done, 1 failed, 1 cancelled",
+    ]
+
+
 # -- the scripts, end to end on generated data and the tiny CLIP --------------------------------
 def _script(name: str, args: list[str], env: dict, ok: bool = True):
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="2", **env)
