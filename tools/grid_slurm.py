@@ -85,8 +85,8 @@ class ChainJob:
         from submitit.helpers import DelayedSubmission
 
         print(
-            f"{chain.train.label}: time limit or preemption signal: requeued; the next attempt "
-            "skips the finished runs and resumes the interrupted one from its last epoch",
+            f"{chain.train.label}: time limit or preemption signal: back to submitit to requeue; "
+            "the next attempt skips the finished runs and resumes the interrupted one",
             flush=True,
         )
         return DelayedSubmission(self, chain, setup)
