@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import os.path as osp
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -296,8 +297,8 @@ def test_failures_are_reported_and_resumed(tmp_path, fake_python, monkeypatch, c
 
 def test_slurm_submission_through_submitit(tmp_path, fake_python, monkeypatch, capsys):
     class FakeExecutor:
-        def __init__(self, folder):
-            self.folder, self.params = folder, {}
+        def __init__(self, folder, **kwargs):
+            self.folder, self.params, self.kwargs = folder, {}, kwargs
             created.append(self)
 
         def update_parameters(self, **params):
@@ -325,6 +326,96 @@ def test_slurm_submission_through_submitit(tmp_path, fake_python, monkeypatch, c
     monkeypatch.setitem(sys.modules, "submitit", None)
     with pytest.raises(GridError, match="pip install submitit"):
         submit_slurm(chains, setup, args)
+
+
+def test_slurm_status_gpus_and_a_refused_submission(tmp_path, fake_python, monkeypatch, capsys):
+    from tools import grid_slurm
+
+    class Executor:
+        refuse = False
+
+        def __init__(self, folder, **kwargs):
+            self.folder, self.params = folder, {}
+            created.append(self)
+
+        def update_parameters(self, **params):
+            self.params.update(params)
+
+        def map_array(self, fn, *iterables):
+            if self.refuse:  # what submitit leaves before sbatch refuses the array
+                base = osp.dirname(self.folder)
+                os.makedirs(base, exist_ok=True)
+                for name in ("a1b2.pkl", ".submission_file_a1b2.sh"):
+                    open(osp.join(base, name), "w").close()
+                raise RuntimeError("sbatch: error: Invalid generic resource (gres) specification")
+            return [
+                SimpleNamespace(job_id=f"9_{i}", out=fn(*a)) for i, a in enumerate(zip(*iterables))
+            ]
+
+    created = []
+    monkeypatch.setitem(sys.modules, "submitit", SimpleNamespace(AutoExecutor=Executor))
+    monkeypatch.setattr(grid_slurm, "_query", lambda cmd: None)  # no sacct/squeue here
+    monkeypatch.setattr(sys, "executable", fake_python)  # Setup.python's default
+    out = str(tmp_path / "out")
+    argv = ["--trainers", "CoOp", "--optims", "sgd", "sample", "--datasets", "dtd", "--seeds", "1"]
+    argv += ["--output", out, "--data", "d", "--no-check", "--slurm", "--slurm-gpus", "0"]
+    assert grid.main(argv) == 0
+    assert "gpus_per_node" not in created[0].params  # a CPU partition
+    assert created[0].params["slurm_additional_parameters"] == {"requeue": True}
+    assert grid.main(["--status", "--output", out]) == 0
+    text = capsys.readouterr().out
+    assert "     done  job 9_1: CoOp+sample base2new train_base dtd seed1 (2/2 runs done)" in text
+    assert "2 chains: 2 done (SLURM not reachable: run folders only)" in text
+    # a refused submission leaves nothing: no pickles, no sbatch files, no records
+    Executor.refuse = True
+    other = str(tmp_path / "other")
+    assert grid.main([*argv, "--output", other, "--slurm-gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "SLURM submission failed" in err and "Invalid generic resource" in err
+    assert not osp.exists(osp.join(other, "slurm"))
+    jobs = osp.join(out, "slurm", grid_slurm.JOBS_FILE)
+    with open(jobs) as f:
+        recorded = f.read()
+    shutil.rmtree(osp.join(out, "base2new", "test_new"))  # the evaluations to run again
+    assert grid.main(argv) == 2
+    assert sorted(os.listdir(osp.join(out, "slurm"))) == [grid_slurm.JOBS_FILE]
+    with open(jobs) as f:
+        assert f.read() == recorded
+
+
+def test_slurm_wait_reports_requeues_and_each_chains_end(tmp_path, monkeypatch, capsys):
+    from tools import grid_slurm
+
+    records = []
+    for i in range(3):
+        run = tmp_path / f"chain{i}"
+        run.mkdir()
+        (run / "console.txt").write_text("")
+        records.append({"job_id": f"5_{i}", "label": f"chain {i}", "train_dir": str(run),
+                        "runs": [[str(run), "train"]], "log": f"/logs/5_{i}.err"})  # fmt: skip
+    (tmp_path / "chain2" / "log.txt").write_text("Finish training\n* accuracy: 50.0%\n")
+    answers = iter(  # sacct -X -D: one line per attempt of a job
+        [
+            "5_0|PENDING\n5_1|PENDING\n5_2|PENDING\n",
+            "5_0|RUNNING\n5_1|RUNNING\n5_2|RUNNING\n",  # chain 2 is done, its job still runs
+            "5_0|FAILED\n5_1|REQUEUED\n5_1|RUNNING\n5_2|COMPLETED\n",
+            "5_0|FAILED\n5_1|REQUEUED\n5_1|CANCELLED by 0\n5_2|COMPLETED\n",
+        ]
+    )
+    monkeypatch.setattr(
+        grid_slurm, "_query", lambda cmd: next(answers) if cmd[0] == "sacct" else ""
+    )
+    assert grid_slurm.wait(records, poll_s=0) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == [
+        f"[failed] job 5_0: chain 0 (0/1 runs done, SLURM FAILED); logs: "
+        f"{tmp_path / 'chain0' / 'console.txt'}, /logs/5_0.err",
+        "[requeued] job 5_1: chain 1 (attempt 2)",
+        "[done] job 5_2: chain 2 (1/1 runs done)",
+        "[cancelled] job 5_1: chain 1 (0/1 runs done, SLURM CANCELLED); the next invocation of "
+        "the grid submits it again",
+        "3 chains: 1 done, 1 failed, 1 cancelled",
+    ]
 
 
 # -- the scripts, end to end on generated data and the tiny CLIP --------------------------------

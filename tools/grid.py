@@ -7,7 +7,8 @@ A grid is trainers x optimizers x datasets x seeds x protocols (``base2new``,
 - locally, one chain after another (train.py's output streams to the terminal);
 - ``--gpus 0,1,2,3`` (or ``auto``): one worker per GPU (``CUDA_VISIBLE_DEVICES``), each run's
   output in ``<run dir>/console.txt``, a progress line per run;
-- ``--slurm``: one SLURM job per chain through submitit (optional: ``pip install submitit``).
+- ``--slurm``: one SLURM job per chain through submitit (``tools/grid_slurm.py``: GPUs per job,
+  ``--slurm-wait``, ``--status``, requeues and time limits; docs/cluster.md).
 
 ``--per-gpu N`` packs N workers onto each GPU (after a free-memory check, ``--worker-mem-gb``);
 ``--workers N`` runs N workers without GPUs. ``--in-process``: each worker is one long-lived
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import itertools
 import os
 import os.path as osp
@@ -77,7 +77,6 @@ from tools.paper_results import (  # noqa: E402
 from tools.parse_results import read_run  # noqa: E402
 from tools.protocols import (  # noqa: E402
     PROTOCOLS,
-    REPO,
     REPRO_MODES,
     TARGETS,
     Chain,
@@ -425,49 +424,32 @@ def run_local(
     return progress.failed
 
 
-def slurm_job(chain: Chain, setup: Setup) -> str:
-    """The function a SLURM job runs: one chain, output in each run's console.txt."""
-    progress = Progress(len(chain.runs))
-    execute_chain(chain, setup, progress, stream=False)
-    if progress.failed:
-        raise RuntimeError("\n".join(progress.failed))
-    return f"{chain.train.label}: done"
-
-
 def submit_slurm(chains: list[Chain], setup: Setup, args) -> list:
-    """Submit one job per chain (a job array) with submitit; returns the jobs."""
-    try:
-        import submitit
-    except ImportError as e:
-        raise GridError("--slurm needs the optional package submitit: pip install submitit") from e
-    executor = submitit.AutoExecutor(folder=osp.join(setup.output, "slurm", "%j"))
-    params = {
-        "name": "sample-grid",
-        "timeout_min": args.slurm_time,
-        "gpus_per_node": 1,
-        "tasks_per_node": 1,
-        "cpus_per_task": args.slurm_cpus,
-        "slurm_array_parallelism": args.slurm_parallel,
-        "slurm_setup": [
-            f"cd {shlex.quote(os.getcwd())}",
-            f"export PYTHONPATH={shlex.quote(REPO)}:${{PYTHONPATH:-}}",
-        ],
-    }
-    if args.slurm_partition:
-        params["slurm_partition"] = args.slurm_partition
-    if args.slurm_mem:
-        params["mem_gb"] = args.slurm_mem
-    for item in args.slurm_param or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise GridError(f"--slurm-param {item!r}: use KEY=VALUE (a submitit parameter)")
-        params[key] = int(value) if value.isdigit() else value
-    executor.update_parameters(**params)
-    job_fn = importlib.import_module("tools.grid").slurm_job  # importable on the node
-    jobs = executor.map_array(job_fn, chains, [setup] * len(chains))
-    for job, chain in zip(jobs, chains):
-        print(f"submitted job {job.job_id}: {chain.train.label} (+{len(chain.evals)} evaluations)")
-    return jobs
+    """Submit one job per chain (a job array) with submitit; returns the jobs
+    (``tools/grid_slurm.py``)."""
+    from tools.grid_slurm import submit
+
+    return submit(chains, setup, args)
+
+
+def run_slurm(chains: list[Chain], setup: Setup, args) -> int:
+    """``--slurm``: submit the chains that have no queued or running job, then with
+    ``--slurm-wait`` wait for them."""
+    from tools.grid_slurm import live_jobs, read_records, wait
+
+    live = live_jobs(setup.output)
+    busy = [c for c in chains if c.train.out_dir in live]
+    for chain in busy:
+        print(f"already in SLURM (job {live[chain.train.out_dir]}): {chain.train.label}")
+    chains = [c for c in chains if c.train.out_dir not in live]
+    if not chains:
+        print("Nothing to submit: every unfinished chain has a queued or running job")
+        return 0
+    jobs = submit_slurm(chains, setup, args)
+    if not args.slurm_wait:
+        return 0
+    ids = {str(j.job_id) for j in jobs}
+    return wait([r for r in read_records(setup.output) if r["job_id"] in ids], args.slurm_poll)
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -672,17 +654,49 @@ def build_parser() -> argparse.ArgumentParser:
     slurm = parser.add_argument_group("SLURM (submitit)")
     slurm.add_argument("--slurm", action="store_true", help="submit one job per chain")
     slurm.add_argument("--slurm-partition", default="", help="partition")
-    slurm.add_argument("--slurm-time", type=int, default=24 * 60, help="minutes per job")
+    slurm.add_argument(
+        "--slurm-gpus", type=int, default=1, help="GPUs per job (0 for CPU partitions)"
+    )
+    slurm.add_argument(
+        "--slurm-time",
+        type=int,
+        default=24 * 60,
+        help="minutes per job; a longer chain is requeued at the limit and goes on",
+    )
     slurm.add_argument("--slurm-cpus", type=int, default=8, help="CPUs per job")
     slurm.add_argument("--slurm-mem", type=int, default=0, help="memory per job in GB")
     slurm.add_argument("--slurm-parallel", type=int, default=64, help="running jobs at most")
     slurm.add_argument("--slurm-param", nargs="+", help="more submitit parameters KEY=VALUE")
+    slurm.add_argument(
+        "--slurm-max-requeues",
+        type=int,
+        default=10,
+        help="time-limit requeues of a job at most (submitit's max_num_timeout)",
+    )
+    slurm.add_argument(
+        "--slurm-wait",
+        action="store_true",
+        help="wait for the jobs; print each requeue and each chain's end (exit 1 unless all done)",
+    )
+    slurm.add_argument(
+        "--slurm-poll", type=float, default=30.0, help="seconds between SLURM queries when waiting"
+    )
+    slurm.add_argument(
+        "--status",
+        action="store_true",
+        help="the state of the chains submitted to SLURM from --output (queued, running, done, "
+        "failed, cancelled), from the run folders and sacct/squeue",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv, opts = split_opts(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
+    if args.status:
+        from tools.grid_slurm import status
+
+        return status(args.output)
     try:
         setup = setup_from_args(args, opts)
         chains = expand_modes(grids_from_args(args), setup, repro_modes(args))
@@ -699,8 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             if problems:
                 raise GridError("Pre-flight checks failed:\n- " + "\n- ".join(problems))
         if args.slurm:
-            submit_slurm(todo, setup, args)
-            return 0
+            return run_slurm(todo, setup, args)
         gpus = detect_gpus(args.gpus)
         if args.per_gpu < 1 or args.workers < 1:
             raise GridError("--per-gpu and --workers must be at least 1")
