@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.clip import (
+    BackboneError,
     active_backbone_cfg,
     clip_dtype,
     clip_from_state_dict,
@@ -238,13 +239,23 @@ class CLIP(nn.Module):
         return self
 
 
-def build_model(state_dict: dict) -> CLIP:
+def build_model(state_dict: dict, design_details: dict | None = None) -> CLIP:
     """OpenAI's ``clip.build_model``: the CLIP holding ``state_dict`` (fp16 weights, eval mode).
 
     The architecture comes from the config of the trainer being built (its
     ``MODEL.BACKBONE.NAME`` or ``MODEL.BACKBONE.CONFIG``), else it is inferred from the OpenAI
-    state dict, as OpenAI's function does.
+    state dict, as OpenAI's function does. ``design_details`` (the modified ``clip`` packages of
+    MaPLe, IVLP and PromptSRC, whose transformer blocks insert deep prompts) is refused.
     """
+    if design_details is not None:
+        trainer = design_details.get("trainer", "?") if isinstance(design_details, dict) else "?"
+        raise BackboneError(
+            f"clip.build_model(state_dict, design_details) with trainer {trainer!r}: the modified "
+            "CLIP of MaPLe/IVLP/PromptSRC's own clip package (deep prompts inside the transformer "
+            "blocks) is not part of the clip compatibility layer. Use this project's trainer "
+            "instead (--trainer MaPLe, IVLP or PromptSRC read the same config keys and load "
+            "those code bases' checkpoints), or files that use OpenAI's clip.build_model(sd)"
+        )
     cfg = active_backbone_cfg()
     if cfg is None:
         from engine.config import get_base_cfg_default

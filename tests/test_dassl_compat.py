@@ -189,6 +189,19 @@ class _OwnSteps(_Linear):
         return {}
 
 
+class _ProGradStyle(_Linear):
+    """ProGrad's step: the CE gradient, its component against a guidance loss removed."""
+
+    def losses(self, batch):
+        image, label = self.parse_batch_train(batch)
+        logits = self.model(image)
+        return F.cross_entropy(logits, label), F.cross_entropy(logits, (label + 1) % 3)
+
+    def forward_backward(self, batch):
+        self.prograd_backward_and_update(*self.losses(batch), 0.5)
+        return {}
+
+
 @pytest.fixture(scope="module")
 def batch():
     g = torch.Generator().manual_seed(1)
@@ -226,6 +239,7 @@ def test_replayed_second_pass_equals_the_engine_protocol_and_steps_the_lr_once(
         (_StepsLrFirst, r"changed the LR scheduler of 'model'"),
         (_TwoUpdates, "more than once per step"),
         (_OwnSteps, r"calls model_backward\(loss\) with the sharpness-aware optimizer 'sam'"),
+        (_ProGradStyle, r"calls prograd_backward_and_update\(\) with the sharpness-aware"),
     ],
 )
 def test_the_replay_refuses_state_changes_and_own_steps(
@@ -237,6 +251,23 @@ def test_the_replay_refuses_state_changes_and_own_steps(
     before = [p.detach().clone() for p in sgd.model.parameters()]
     sgd.train_step(batch)
     assert not torch.equal(before[0], sgd.model[1].weight)
+
+
+def test_prograd_step_removes_the_conflicting_component(tiny_clip_opts, tmp_path, batch):
+    tr = _trainer(_ProGradStyle, tiny_clip_opts, tmp_path)
+    params = list(tr.model.parameters())
+    loss_a, loss_b = tr.losses(batch)
+    g_a = torch.autograd.grad(loss_a, params, retain_graph=True)
+    g_b = torch.autograd.grad(loss_b, params)
+    tr.train_step(batch)
+    conflicts = 0
+    for p, a, b in zip(params, g_a, g_b):
+        unit = b / b.norm()
+        along = (a * unit).sum()
+        conflicts += int(along < 0)
+        expected = a - 0.5 * along * unit if along < 0 else a
+        torch.testing.assert_close(p.grad, expected)
+    assert conflicts > 0  # the guidance conflicts with CE for some parameter
 
 
 # -- end to end: a CoOp-family file through --plugin ----------------------------------------

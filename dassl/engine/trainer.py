@@ -286,6 +286,31 @@ class TrainerX(_EngineTrainerX):
             if opt is not None:  # before its stage, a sharpness-aware wrapper steps its base
                 getattr(opt, "base_optimizer", opt).step()
 
+    def prograd_backward_and_update(self, loss_a, loss_b, lambda_=1.0, names=None) -> None:
+        """ProGrad's step (the Dassl fork of ProGrad, Zhu et al. ICCV 2023): update along the
+        gradient of ``loss_a``, with its component against the gradient of ``loss_b`` removed
+        (times ``lambda_``) per parameter where the two conflict (negative cosine).
+
+        One-pass optimizers only: a sharpness-aware optimizer is refused (ReplayError).
+        """
+        self._refuse_two_pass(f"{type(self).__name__} calls prograd_backward_and_update()")
+        names = self.get_model_names(names)
+        params = [p for n in names for p in self._models[n].parameters() if p.requires_grad]
+        self.model_zero_grad(names)
+        self.detect_anomaly(loss_b)
+        guide = torch.autograd.grad(loss_b, params, retain_graph=True, allow_unused=True)
+        self.detect_anomaly(loss_a)
+        loss_a.backward()
+        with torch.no_grad():
+            for p, g_b in zip(params, guide):
+                if p.grad is None or g_b is None:
+                    continue
+                unit_b = (g_b / torch.linalg.norm(g_b)).flatten()
+                along = torch.dot(p.grad.flatten(), unit_b)  # the projection of g_a on g_b
+                if along < 0:  # conflicting: remove lambda_ x the component against g_b
+                    p.grad -= lambda_ * along * unit_b.view_as(p.grad)
+        self.model_update(names)
+
 
 class _DasslTrainerRegistry:
     """Dassl's ``TRAINER_REGISTRY``: registers into the project's trainer registry.
