@@ -97,6 +97,21 @@ def test_clip_model_has_openai_conventions_and_the_project_outputs(tiny_clip):
         assert torch.equal(feats, expected)
 
 
+def test_clip_model_of_a_resnet_clip(tmp_path):
+    from engine.clip.toy import TINY_CLIP_CONFIG, write_tiny_clip
+
+    vision = {"image_size": 32, "layers": [1, 1, 1, 1], "width": 8, "head_width": 8}
+    cfg = _tiny_cfg(write_tiny_clip(str(tmp_path), {**TINY_CLIP_CONFIG, "vision_cfg": vision}))
+    model = _load_clip_to_cpu(cfg).float().requires_grad_(False)
+    ref = load_clip(cfg, "fp32")
+    assert type(model.visual).__name__ == "ModifiedResNet"
+    assert (model.visual.input_resolution, model.visual.output_dim) == (32, 32)
+    assert set(model.state_dict()) == set(ref.state_dict())  # OpenAI's names (attnpool, layer1)
+    image = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(image), ref.visual(image))
+
+
 def test_clip_names_resolve_through_the_project_and_fail_clearly(tiny_clip, tmp_path, monkeypatch):
     from clip import clip
     from engine.clip import BackboneError
@@ -251,6 +266,21 @@ def test_the_replay_refuses_state_changes_and_own_steps(
     before = [p.detach().clone() for p in sgd.model.parameters()]
     sgd.train_step(batch)
     assert not torch.equal(before[0], sgd.model[1].weight)
+
+
+class _OwnScaler(_Linear):
+    def build_model(self):
+        super().build_model()
+        self.scaler = torch.amp.GradScaler("cpu")  # a PREC amp branch's own scaler
+
+
+def test_a_file_with_its_own_grad_scaler_is_refused_with_sharpness(tiny_clip_opts, tmp_path):
+    from engine.errors import ConfigError
+
+    tr = _trainer(_OwnScaler, tiny_clip_opts, tmp_path, sam="sam")
+    assert tr.scaler is not None and tr.optim_step.scaler is None  # the file's, not the engine's
+    with pytest.raises(ConfigError, match="steps its own GradScaler"):
+        tr.before_train()
 
 
 def test_prograd_step_removes_the_conflicting_component(tiny_clip_opts, tmp_path, batch):

@@ -143,6 +143,12 @@ class TrainerX(_EngineTrainerX):
                 "OPTIM.LR_STEP_PER_BATCH is True, but a Dassl trainer file steps its LR scheduler "
                 "itself (update_lr() in forward_backward): set OPTIM.LR_STEP_PER_BATCH False"
             )
+        if self._file_scaler is not None and self.optim_step.two_pass:
+            raise ConfigError(
+                f"{type(self).__name__} steps its own GradScaler (its PREC amp branch), which "
+                f"cannot drive the sharpness-aware optimizer {self.cfg.OPTIM.SAM.NAME!r} (two "
+                "passes per step): use PREC fp32 or fp16 with OPTIM.SAM.NAME"
+            )
         super().before_train()
 
     # -- the step ---------------------------------------------------------------------------
