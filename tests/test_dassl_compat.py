@@ -242,6 +242,8 @@ def test_replayed_second_pass_equals_the_engine_protocol_and_steps_the_lr_once(
     for a, b, s in zip(dassl_style.model.parameters(), two_step.model.parameters(), start):
         assert torch.equal(a, b) and not torch.equal(a, s)
     assert dassl_style.lr_steps == 1 and dassl_style.sched.last_epoch == 1  # once, not twice
+    assert not _Linear.ENGINE_STEPS_LR and _TwoStep.ENGINE_STEPS_LR  # the two-step protocol:
+    assert two_step.lr_steps == 0  # the engine steps the LR at the end of the epoch
     assert summary["loss"] == pytest.approx(
         F.cross_entropy(batch["img"].flatten(1) @ start[0].t() + start[1], batch["label"]).item()
     )  # the logged loss is the first pass's (the unperturbed weights)

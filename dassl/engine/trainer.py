@@ -92,8 +92,14 @@ class TrainerX(_EngineTrainerX):
     """Dassl's ``TrainerX`` (see the module docstring). Subclass it in a trainer file as with
     Dassl; register it with ``dassl.engine.TRAINER_REGISTRY``."""
 
-    ENGINE_STEPS_LR = False  # Dassl's trainers call update_lr() themselves
+    ENGINE_STEPS_LR = True  # set per subclass below
     _replaces = None  # the project's trainer of the same name this one replaced, if any
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # a file's forward_backward steps the LR itself (update_lr() on the last batch); with
+        # the two-step protocol (no forward_backward) the engine does, as for its own trainers
+        cls.ENGINE_STEPS_LR = cls.forward_backward is _EngineTrainerX.forward_backward
 
     @classmethod
     def add_config(cls, cfg) -> None:
@@ -138,7 +144,7 @@ class TrainerX(_EngineTrainerX):
         return self.model(input)
 
     def before_train(self):
-        if self.cfg.OPTIM.get("LR_STEP_PER_BATCH", False):
+        if not self.ENGINE_STEPS_LR and self.cfg.OPTIM.get("LR_STEP_PER_BATCH", False):
             raise ConfigError(
                 "OPTIM.LR_STEP_PER_BATCH is True, but a Dassl trainer file steps its LR scheduler "
                 "itself (update_lr() in forward_backward): set OPTIM.LR_STEP_PER_BATCH False"
@@ -152,11 +158,8 @@ class TrainerX(_EngineTrainerX):
         super().before_train()
 
     # -- the step ---------------------------------------------------------------------------
-    def _writes_forward_backward(self) -> bool:
-        return type(self).forward_backward is not _EngineTrainerX.forward_backward
-
     def train_step(self, batch) -> dict:
-        if not self._writes_forward_backward():  # the two-step protocol
+        if self.ENGINE_STEPS_LR:  # the two-step protocol: the engine's forward_backward
             return super().train_step(batch)
         self._step = step = _Step(batch)
         try:
@@ -167,9 +170,9 @@ class TrainerX(_EngineTrainerX):
             raise ReplayError(
                 f"{type(self).__name__}.forward_backward did not call "
                 f"model_backward_and_update(loss), but the sharpness-aware optimizer "
-                f"{self.cfg.OPTIM.SAM.NAME!r} needs it for its second pass (e.g. a PREC amp "
-                f"branch that steps its own GradScaler): use PREC fp32/fp16, or state the "
-                f"two-step protocol ({_DOCS})"
+                f"{self.cfg.OPTIM.SAM.NAME!r} needs it for its second pass (a step taken "
+                f"another way): call it with the step's loss, or state the two-step protocol "
+                f"({_DOCS})"
             )
         if isinstance(summary, dict):
             summary = {**summary, **step.stats}
