@@ -171,6 +171,20 @@ class _TwoStep(_Linear):
         return F.cross_entropy(self.model(image), label)
 
 
+class _OwnOptimizerStep(_Linear):
+    """CoCoOp's step: the file's own zero_grad, backward and optimizer step."""
+
+    def forward_backward(self, batch):
+        image, label = self.parse_batch_train(batch)
+        loss = F.cross_entropy(self.model(image), label)
+        self.optim.zero_grad()
+        loss.backward()
+        self.optim.step()
+        if (self.batch_idx + 1) == self.num_batches:
+            self.update_lr()
+        return {"loss": loss.item()}
+
+
 class _CountsBefore(_Linear):
     def forward_backward(self, batch):
         self.seen = getattr(self, "seen", 0) + 1  # a counter before the call: repeated
@@ -235,13 +249,21 @@ def test_replayed_second_pass_equals_the_engine_protocol_and_steps_the_lr_once(
     tiny_clip_opts, tmp_path, batch
 ):
     dassl_style = _trainer(_Linear, tiny_clip_opts, tmp_path, sam="sam")
+    own_step = _trainer(_OwnOptimizerStep, tiny_clip_opts, tmp_path, sam="sam")
     two_step = _trainer(_TwoStep, tiny_clip_opts, tmp_path, sam="sam")
     start = [p.detach().clone() for p in dassl_style.model.parameters()]
     summary = dassl_style.train_step(batch)
+    own_step.train_step(batch)
     two_step.train_step(batch)
-    for a, b, s in zip(dassl_style.model.parameters(), two_step.model.parameters(), start):
-        assert torch.equal(a, b) and not torch.equal(a, s)
-    assert dassl_style.lr_steps == 1 and dassl_style.sched.last_epoch == 1  # once, not twice
+    for a, b, c, s in zip(
+        dassl_style.model.parameters(),
+        own_step.model.parameters(),
+        two_step.model.parameters(),
+        start,
+    ):
+        assert torch.equal(a, c) and torch.equal(b, c) and not torch.equal(a, s)
+    for tr in (dassl_style, own_step):
+        assert tr.lr_steps == 1 and tr.sched.last_epoch == 1  # once, not twice
     assert not _Linear.ENGINE_STEPS_LR and _TwoStep.ENGINE_STEPS_LR  # the two-step protocol:
     assert two_step.lr_steps == 0  # the engine steps the LR at the end of the epoch
     assert summary["loss"] == pytest.approx(

@@ -45,6 +45,7 @@ from engine.registry import TRAINER_REGISTRY as _ENGINE_TRAINERS
 from engine.trainer import SimpleTrainer, TrainerBase
 from engine.trainer import TrainerX as _EngineTrainerX
 from engine.utils import AverageMeter, MetricMeter
+from optim.build import get_optimizer_spec
 from optim.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,9 @@ class TrainerX(_EngineTrainerX):
         self._file_scaler = None
         with active_backbone(cfg):  # clip._download / clip.build_model use cfg.MODEL.BACKBONE
             super().__init__(cfg, classnames=classnames)
+        for opt in self._optims.values():  # files that call self.optim.step() themselves
+            if opt is not None and get_optimizer_spec(opt).needs_closure:
+                opt.step = partial(self._file_optimizer_step, opt)
 
     # -- what the file manages itself -----------------------------------------------------
     def _precision(self, cfg) -> str:
@@ -216,7 +220,33 @@ class TrainerX(_EngineTrainerX):
         if step is not None:
             step.stats = stats
 
-    def _replay(self, step: _Step) -> torch.Tensor:
+    def _file_optimizer_step(self, opt, closure=None, **kwargs):
+        """``step()`` of a sharpness-aware optimizer that the file calls itself after its own
+        ``loss.backward()`` (CoCoOp's ``optim.zero_grad(); loss.backward(); optim.step()``):
+        the same replay, ended at the replayed ``step()`` call, whose backward has given the
+        gradient at the perturbed weights. The engine's own calls pass a closure."""
+        if closure is not None or kwargs:
+            return type(opt).step(opt, closure, **kwargs)
+        if not self.optim_step.sharpness_active(self.epoch):
+            return opt.base_optimizer.step()  # before its stage: the base optimizer
+        step = self._step
+        if step is None:
+            raise ReplayError(
+                "A sharpness-aware optimizer's step() was called outside forward_backward: its "
+                "second pass replays forward_backward(batch)"
+            )
+        if step.replaying:
+            raise _SecondPass(None)  # the replay's own backward gave the perturbed gradient
+        if step.updates:
+            raise ReplayError(
+                f"{type(self).__name__}.forward_backward steps its optimizer more than once per "
+                f"step: a sharpness-aware optimizer takes one loss per step ({_DOCS})"
+            )
+        step.updates += 1
+        type(opt).step(opt, partial(self._replay, step))
+        step.stats = dict(getattr(opt, "last_stats", None) or {})
+
+    def _replay(self, step: _Step) -> torch.Tensor | None:
         """The loss at the current (perturbed) weights: ``forward_backward`` on the same batch,
         ended inside its ``model_backward_and_update``."""
         before = self._snapshot()
@@ -229,7 +259,8 @@ class TrainerX(_EngineTrainerX):
             raise ReplayError(
                 f"The replayed {type(self).__name__}.forward_backward (the sharpness-aware "
                 "second pass, same batch) returned without calling model_backward_and_update"
-                f"(loss): its path must not depend on state that the first pass changed ({_DOCS})"
+                "(loss) or its optimizer's step(): its path must not depend on state that the "
+                f"first pass changed ({_DOCS})"
             )
         finally:
             step.replaying = False
