@@ -21,6 +21,8 @@ the engine's loop, data, evaluation, checkpoints and optimizer step:
   to the optimizer instead of returning. So everything the file does *after* that call
   (``update_lr`` on the last batch, the loss summary, counters) happens once, in the first
   pass; everything *before* it runs twice and must depend only on the batch and the weights.
+  A file that calls the optimizer's ``step()`` itself after its own backward (CoCoOp) gets the
+  same replay, ended at the replayed ``step()``.
   The replay refuses (:class:`ReplayError`) a ``forward_backward`` that changes the trainer's
   attributes, a scheduler or a learnable parameter before that call, that calls it twice in a
   step or not at all, or that steps its optimizers itself (``model_backward``/``model_update``)
