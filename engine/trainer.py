@@ -507,6 +507,11 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
 class TrainerX(SimpleTrainer):
     """A trainer over labelled data (``train_loader_x``) with the engine's step protocol."""
 
+    # True: the engine steps the LR scheduler at the end of every epoch (and per batch with
+    # OPTIM.LR_STEP_PER_BATCH). False: the trainer's own code steps it (Dassl's trainers call
+    # update_lr() on the last batch inside forward_backward; the dassl compatibility layer)
+    ENGINE_STEPS_LR = True
+
     # -- the step protocol ------------------------------------------------------------------
     def parse_batch_train(self, batch):
         dev = self.device
@@ -543,6 +548,10 @@ class TrainerX(SimpleTrainer):
         loss, summary = out if isinstance(out, tuple) else (out, {})
         return loss, summary
 
+    def train_step(self, batch) -> dict:
+        """One training step as the epoch loop calls it (default: :meth:`forward_backward`)."""
+        return self.forward_backward(batch)
+
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
         with self.compiled_batch(_batch_len(batch), self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
@@ -577,7 +586,7 @@ class TrainerX(SimpleTrainer):
         end = time.time()
         for self.batch_idx, batch in enumerate(self.train_loader_x):  # noqa: B020
             data_time.update(time.time() - end)
-            loss_summary = self.forward_backward(batch)
+            loss_summary = self.train_step(batch)
             batch_time.update(time.time() - end)
             losses.update(loss_summary)
             n_iter = self.epoch * self.num_batches + self.batch_idx
@@ -599,12 +608,13 @@ class TrainerX(SimpleTrainer):
                     f"lr {self.get_current_lr():.4e} "
                     f"eta {eta}"
                 )
-            if self.optim_step.lr_step_per_batch(self.epoch):
+            if self.ENGINE_STEPS_LR and self.optim_step.lr_step_per_batch(self.epoch):
                 self.update_lr()  # the released SAMPLe trainers' per-batch step (besides below)
             end = time.time()
         self._check_finite()
         self.flush_scalars()
-        self.update_lr()
+        if self.ENGINE_STEPS_LR:
+            self.update_lr()
 
 
 __all__ = [

@@ -53,7 +53,6 @@ the published tables (docs/reproducing.md); other grids run ``paper``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import os
 import os.path as osp
@@ -61,39 +60,32 @@ import shlex
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, replace
 from queue import Empty, Queue
 
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
+from tools.grid_exec import GridError, Progress, execute_chain  # noqa: E402
 from tools.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
     EXTRA_TRAINERS,
     OPTIMIZERS,
     TRAINERS,
 )
-from tools.parse_results import read_run  # noqa: E402
 from tools.protocols import (  # noqa: E402
     PROTOCOLS,
     REPRO_MODES,
     TARGETS,
     Chain,
     ProtocolError,
-    Run,
     Setup,
     base2new_chain,
     fetch_weights,
-    load_epoch,
     preflight,
     run_status,
     transfer_chain,
 )
-
-
-class GridError(ValueError):
-    """Bad grid arguments or failed pre-flight checks."""
 
 
 @dataclass(frozen=True)
@@ -232,102 +224,6 @@ def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
                 for seed in grid.seeds:
                     add(transfer_chain(setup, trainer, optim, seed, targets, variant))
     return list(chains.values())
-
-
-# -- progress ---------------------------------------------------------------------------------
-class Progress:
-    """Thread-safe run counters with elapsed time and a rough ETA."""
-
-    def __init__(self, total: int):
-        self.total, self.started, self.finished, self.failed = total, 0, 0, []
-        self.t0 = time.time()
-        self.lock = threading.Lock()
-
-    def _clock(self) -> str:
-        elapsed = time.time() - self.t0
-        text = f"elapsed {datetime.timedelta(seconds=round(elapsed))}"
-        if self.finished:
-            left = elapsed / self.finished * (self.total - self.finished)
-            text += f", ETA {datetime.timedelta(seconds=round(left))}"
-        return text
-
-    def start(self, run: Run, cmd: list[str], status: str, where: str) -> None:
-        action = "resume" if status == "partial" and run.stage == "train" else "run"
-        with self.lock:
-            self.started += 1
-            print(f"[{action} {self.started}/{self.total}{where}] {run.label}", flush=True)
-            print(f"  {shlex.join(cmd)}", flush=True)
-
-    def done(self, run: Run, problem: str | None, seconds: float) -> None:
-        with self.lock:
-            self.finished += 1
-            took = datetime.timedelta(seconds=round(seconds))
-            if problem:
-                self.failed.append(problem)
-                print(f"[FAILED {self.finished}/{self.total}] {problem} ({took})", flush=True)
-            else:
-                acc = read_run(run.out_dir, run.stage).accuracy
-                print(
-                    f"[done {self.finished}/{self.total}] {run.label}: accuracy {acc:.2f}% "
-                    f"({took}; {self._clock()})",
-                    flush=True,
-                )
-
-
-# -- execution --------------------------------------------------------------------------------
-def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool, worker=None) -> int:
-    """Run ``cmd`` (a train.py command) as a process, or in ``worker`` (tools.worker.Worker:
-    ``train.py``'s arguments run in that process); output in ``console.txt`` unless ``stream``.
-    """
-    console = None
-    if not stream:
-        os.makedirs(out_dir, exist_ok=True)
-        console = osp.join(out_dir, "console.txt")
-        with open(console, "a") as f:
-            f.write(f"\n$ {shlex.join(cmd)}\n")
-    if worker is not None:
-        return worker.run(cmd[2:], console)  # cmd: [python, train.py, args...]
-    if console is None:
-        return subprocess.run(cmd, env=env).returncode
-    with open(console, "a") as f:
-        return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-
-
-def execute_chain(
-    chain: Chain,
-    setup: Setup,
-    progress: Progress,
-    env: dict | None = None,
-    stream: bool = True,
-    where: str = "",
-    worker=None,
-) -> None:
-    """Run the unfinished runs of ``chain`` in order (evaluations need a finished training);
-    ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes."""
-    for run in chain.runs:
-        status = run_status(run)
-        if status == "done":
-            continue
-        t0 = time.time()
-        try:
-            epoch = None
-            if run.stage == "eval":
-                if run_status(chain.train) != "done":
-                    raise ProtocolError("its training run has no result")
-                epoch = load_epoch(run.model_dir)
-            cmd = run.command(setup, epoch)
-        except ProtocolError as e:
-            progress.done(run, f"{run.label}: not run: {e}", 0)
-            continue
-        progress.start(run, cmd, status, where)
-        rc = _execute(cmd, run.out_dir, env, stream, worker)
-        problem = None
-        if rc != 0:
-            hint = "" if stream else f"; see {osp.join(run.out_dir, 'console.txt')}"
-            problem = f"{run.label}: train.py exited with {rc}{hint}"
-        elif run_status(run) != "done":
-            problem = f"{run.label}: train.py ended without a result line in {run.out_dir}"
-        progress.done(run, problem, time.time() - t0)
 
 
 def detect_gpus(spec: str | None) -> list[str] | None:

@@ -24,6 +24,7 @@ weights (autocast does the rest).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -308,7 +309,7 @@ def _read_state_dict(path: str) -> tuple[dict, bool]:
         from safetensors.torch import load_file
 
         return load_file(path), False
-    if _is_torchscript(path):  # OpenAI's released checkpoints are TorchScript archives
+    if is_torchscript(path):  # OpenAI's released checkpoints are TorchScript archives
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
@@ -358,7 +359,8 @@ def _read_weights(path: str) -> tuple[dict, bool]:
     return dict(sd), is_jit
 
 
-def _is_torchscript(path: str) -> bool:
+def is_torchscript(path: str) -> bool:
+    """Whether ``path`` is a TorchScript archive (OpenAI's released CLIP checkpoints are)."""
     if not zipfile.is_zipfile(path):
         return False
     with zipfile.ZipFile(path) as zf:
@@ -399,40 +401,76 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
         model_cfg, source = _model_config(cfg)
         logger.warning("MODEL.BACKBONE.PRETRAINED is False: CLIP %s has RANDOM weights", source)
         model = build_clip(model_cfg, precision)
+        if precision == "fp16":
+            convert_weights_to_lp(model, dtype=torch.float16)
     else:
         sd, is_jit = _read_weights(path)
-        for key in ("input_resolution", "context_length", "vocab_size", "attn_mask"):
-            sd.pop(key, None)
-        if any(k.startswith("text.") for k in sd):
-            raise BackboneError(f"{path} holds a CustomTextCLIP model, which is not supported")
-        if bb.CONFIG or bb.NAME:
-            model_cfg, source = _model_config(cfg)
-            if is_jit or (bb.NAME in OPENAI_MODELS and not bb.CONFIG):
-                model_cfg["quick_gelu"] = True
-            model = build_clip(model_cfg, precision)
-            missing, unexpected = _compare_keys(model.state_dict(), sd)
-            if missing or unexpected:
-                raise BackboneError(
-                    f"The weights in {path} do not fit the architecture {source}: "
-                    f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
-                    f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
-                    "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
-                )
-            try:
-                model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-            except RuntimeError as e:
-                raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
-        else:  # infer the architecture from an OpenAI-style state dict
-            cast = torch.float16 if precision == "fp16" else None
-            model = build_model_from_openai_state_dict(sd, quick_gelu=True, cast_dtype=cast)
-            model.float()
+        model = clip_from_state_dict(cfg, sd, is_jit, path, precision)
         logger.info("Loaded CLIP weights from %s", path)
-    if precision == "fp16":
-        convert_weights_to_lp(model, dtype=torch.float16)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def clip_from_state_dict(cfg, sd: dict, is_jit: bool, path: str, precision: str = "fp32") -> CLIP:
+    """The open_clip CLIP of ``cfg.MODEL.BACKBONE`` (NAME / CONFIG, else the architecture
+    inferred from an OpenAI-style state dict) holding the weights ``sd`` read from ``path``.
+
+    ``sd`` is left unchanged. "fp16" stores the weights in half precision (OpenAI style); other
+    modes keep fp32. The model is returned as built (train mode, gradients on).
+    """
+    bb = cfg.MODEL.BACKBONE
+    sd = dict(sd)
+    for key in ("input_resolution", "context_length", "vocab_size", "attn_mask"):
+        sd.pop(key, None)
+    if any(k.startswith("text.") for k in sd):
+        raise BackboneError(f"{path} holds a CustomTextCLIP model, which is not supported")
+    if bb.CONFIG or bb.NAME:
+        model_cfg, source = _model_config(cfg)
+        if is_jit or (bb.NAME in OPENAI_MODELS and not bb.CONFIG):
+            model_cfg["quick_gelu"] = True
+        model = build_clip(model_cfg, precision)
+        missing, unexpected = _compare_keys(model.state_dict(), sd)
+        if missing or unexpected:
+            raise BackboneError(
+                f"The weights in {path} do not fit the architecture {source}: "
+                f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
+                f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
+                "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
+            )
+        try:
+            model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+        except RuntimeError as e:
+            raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
+    else:  # infer the architecture from an OpenAI-style state dict
+        cast = torch.float16 if precision == "fp16" else None
+        model = build_model_from_openai_state_dict(sd, quick_gelu=True, cast_dtype=cast)
+        model.float()
+    if precision == "fp16":
+        convert_weights_to_lp(model, dtype=torch.float16)
+    return model
+
+
+# The config whose MODEL.BACKBONE the OpenAI-style ``clip`` package (the compatibility layer at
+# the repository root) resolves names and weights with while a trainer is being built.
+_ACTIVE_BACKBONE_CFG = None
+
+
+@contextlib.contextmanager
+def active_backbone(cfg):
+    """Inside this block :func:`active_backbone_cfg` returns ``cfg`` (restored afterwards)."""
+    global _ACTIVE_BACKBONE_CFG
+    previous, _ACTIVE_BACKBONE_CFG = _ACTIVE_BACKBONE_CFG, cfg
+    try:
+        yield cfg
+    finally:
+        _ACTIVE_BACKBONE_CFG = previous
+
+
+def active_backbone_cfg():
+    """The config of the trainer being built inside :func:`active_backbone`, else None."""
+    return _ACTIVE_BACKBONE_CFG
 
 
 def _compare_keys(own: dict, sd: dict) -> tuple[list[str], list[str]]:

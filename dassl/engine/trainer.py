@@ -1,0 +1,413 @@
+"""Dassl's ``TrainerX`` for trainer files written against Dassl, on this project's engine.
+
+A Dassl trainer file (CoOp's ``trainers/coop.py`` and its relatives) defines ``build_model``
+(loading CLIP with ``clip``, registering its learnable module with ``register_model``) and
+``forward_backward(batch)``, which computes the loss, calls ``model_backward_and_update(loss)``
+and, on the last batch of the epoch, ``update_lr()``. :class:`TrainerX` runs such a file with
+the engine's loop, data, evaluation, checkpoints and optimizer step:
+
+- Dassl's attributes and methods: ``cfg``, ``device``, ``dm`` (``dm.dataset.classnames``),
+  ``epoch``, ``max_epoch``, ``batch_idx``, ``num_batches``, ``_models``/``_optims``/
+  ``_scheds``, ``register_model``, ``get_model_names``, ``set_model_mode``, ``update_lr``,
+  ``get_current_lr``, ``parse_batch_train``, ``model_inference`` (``self.model(input)``),
+  ``save_model``/``load_model``, ``model_zero_grad``/``model_backward``/``model_update``;
+- the LR scheduler is stepped by the trainer's own ``update_lr()`` calls, never by the engine
+  (no double step);
+- ``model_backward_and_update(loss)`` goes through the engine's optimizer step, so the file
+  gets every optimizer, precision-independent. With a sharpness-aware optimizer
+  (``OPTIM.SAM.NAME``) the second pass is a **replay**: while the optimizer evaluates the loss
+  at the perturbed weights, the engine calls ``forward_backward`` again on the same batch, and
+  that call ends inside its ``model_backward_and_update(loss)``, which hands the perturbed loss
+  to the optimizer instead of returning. So everything the file does *after* that call
+  (``update_lr`` on the last batch, the loss summary, counters) happens once, in the first
+  pass; everything *before* it runs twice and must depend only on the batch and the weights.
+  A file that calls the optimizer's ``step()`` itself after its own backward (CoCoOp) gets the
+  same replay, ended at the replayed ``step()``.
+  The replay refuses (:class:`ReplayError`) a ``forward_backward`` that changes the trainer's
+  attributes, a scheduler or a learnable parameter before that call, that calls it twice in a
+  step or not at all, or that steps its optimizers itself (``model_backward``/``model_update``)
+  while the sharpness-aware optimizer is active. A trainer whose side effects cannot be kept
+  after the call states the engine's two-step protocol instead (``prepare_step(batch)`` and
+  ``compute_loss(inputs)``, no ``forward_backward``), which this class accepts too.
+
+Its ``CLIP`` loading (``clip._download`` / ``clip.build_model`` in ``build_model``) resolves the
+weights with this trainer's ``MODEL.BACKBONE`` (engine.clip.active_backbone).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+
+from engine.clip import active_backbone
+from engine.errors import ConfigError
+from engine.registry import TRAINER_REGISTRY as _ENGINE_TRAINERS
+from engine.trainer import SimpleTrainer, TrainerBase
+from engine.trainer import TrainerX as _EngineTrainerX
+from engine.utils import AverageMeter, MetricMeter
+from optim.build import get_optimizer_spec
+from optim.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AverageMeter",
+    "MetricMeter",
+    "ReplayError",
+    "SimpleTrainer",
+    "TrainerBase",
+    "TrainerX",
+]
+
+_DOCS = "docs/porting-trainers.md, 'Sharpness-aware optimizers'"
+
+
+class ReplayError(UserError, RuntimeError):
+    """A Dassl trainer's ``forward_backward`` cannot be replayed for a second pass."""
+
+
+class _SecondPass(BaseException):  # noqa: N818  (control flow, not an error)
+    """Ends the replayed ``forward_backward`` inside ``model_backward_and_update`` (a
+    BaseException, so that a trainer's ``except Exception`` does not swallow it)."""
+
+    def __init__(self, loss: torch.Tensor):
+        super().__init__()
+        self.loss = loss
+
+
+class _Step:
+    """The state of one training step of a Dassl trainer."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.updates = 0  # model_backward_and_update calls in the first pass
+        self.replaying = False
+        self.stats: dict = {}  # the optimizer's diagnostics of the step (logged with the loss)
+
+
+def _is_dassl_trainer(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls, TrainerX)
+
+
+class TrainerX(_EngineTrainerX):
+    """Dassl's ``TrainerX`` (see the module docstring). Subclass it in a trainer file as with
+    Dassl; register it with ``dassl.engine.TRAINER_REGISTRY``."""
+
+    ENGINE_STEPS_LR = True  # set per subclass below
+    _replaces = None  # the project's trainer of the same name this one replaced, if any
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # a file's forward_backward steps the LR itself (update_lr() on the last batch); with
+        # the two-step protocol (no forward_backward) the engine does, as for its own trainers
+        cls.ENGINE_STEPS_LR = cls.forward_backward is _EngineTrainerX.forward_backward
+
+    @classmethod
+    def add_config(cls, cfg) -> None:
+        """The keys of the project's trainer of the same name, when this class replaced one
+        (e.g. CoOp's file reads ``TRAINER.COOP``); Dassl files declare no keys themselves."""
+        replaced = cls.__dict__.get("_replaces")
+        if replaced is not None:
+            replaced.add_config(cfg)
+
+    @classmethod
+    def translate_cfg(cls, cfg) -> None:
+        replaced = cls.__dict__.get("_replaces")
+        if replaced is not None:
+            replaced.translate_cfg(cfg)
+
+    def __init__(self, cfg, classnames: list[str] | None = None):
+        self._step = None
+        self._file_scaler = None
+        with active_backbone(cfg):  # clip._download / clip.build_model use cfg.MODEL.BACKBONE
+            super().__init__(cfg, classnames=classnames)
+        for opt in self._optims.values():  # files that call self.optim.step() themselves
+            if opt is not None and get_optimizer_spec(opt).needs_closure:
+                opt.step = partial(self._file_optimizer_step, opt)
+
+    # -- what the file manages itself -----------------------------------------------------
+    def _precision(self, cfg) -> str:
+        """The file casts its model and keeps its own GradScaler: the engine's step runs in fp32
+        mode (no autocast, no scaler of its own)."""
+        return "fp32"
+
+    @property
+    def scaler(self):
+        """The file's own GradScaler (``self.scaler = GradScaler()`` in ``build_model``)."""
+        return self._file_scaler
+
+    @scaler.setter
+    def scaler(self, scaler) -> None:
+        self._file_scaler = scaler
+
+    def compile_model(self) -> list[str]:
+        """Not compiled: engine.compile knows the project's models only."""
+        return []
+
+    def model_inference(self, input):
+        return self.model(input)
+
+    def before_train(self):
+        if not self.ENGINE_STEPS_LR and self.cfg.OPTIM.get("LR_STEP_PER_BATCH", False):
+            raise ConfigError(
+                "OPTIM.LR_STEP_PER_BATCH is True, but a Dassl trainer file steps its LR scheduler "
+                "itself (update_lr() in forward_backward): set OPTIM.LR_STEP_PER_BATCH False"
+            )
+        if self._file_scaler is not None and self.optim_step.two_pass:
+            raise ConfigError(
+                f"{type(self).__name__} steps its own GradScaler (its PREC amp branch), which "
+                f"cannot drive the sharpness-aware optimizer {self.cfg.OPTIM.SAM.NAME!r} (two "
+                "passes per step): use PREC fp32 or fp16 with OPTIM.SAM.NAME"
+            )
+        super().before_train()
+
+    # -- the step ---------------------------------------------------------------------------
+    def train_step(self, batch) -> dict:
+        if self.ENGINE_STEPS_LR:  # the two-step protocol: the engine's forward_backward
+            return super().train_step(batch)
+        self._step = step = _Step(batch)
+        try:
+            summary = self.forward_backward(batch)
+        finally:
+            self._step = None
+        if step.updates == 0 and self.optim_step.sharpness_active(self.epoch):
+            raise ReplayError(
+                f"{type(self).__name__}.forward_backward did not call "
+                f"model_backward_and_update(loss), but the sharpness-aware optimizer "
+                f"{self.cfg.OPTIM.SAM.NAME!r} needs it for its second pass (a step taken "
+                f"another way): call it with the step's loss, or state the two-step protocol "
+                f"({_DOCS})"
+            )
+        if isinstance(summary, dict):
+            summary = {**summary, **step.stats}
+        return summary
+
+    def model_backward_and_update(self, loss: torch.Tensor, names=None) -> None:
+        """Backward and update through the engine's optimizer step (see the module docstring);
+        in the replayed pass, hands ``loss`` to the sharpness-aware optimizer."""
+        step = self._step
+        if step is not None and step.replaying:
+            raise _SecondPass(loss)
+        two_pass = self.optim_step.sharpness_active(self.epoch)
+        all_names = self.get_model_names()
+        if names is not None and sorted(self.get_model_names(names)) != sorted(all_names):
+            if two_pass:
+                raise ReplayError(
+                    f"model_backward_and_update(names={names!r}) updates some of the models "
+                    f"({all_names}); a sharpness-aware optimizer updates them all in one step"
+                )
+            self.model_zero_grad(names)
+            self.model_backward(loss)
+            self.model_update(names)
+            return
+        self.detect_anomaly(loss)
+        if two_pass and step is None:
+            raise ReplayError(
+                "model_backward_and_update(loss) was called outside the training loop: the "
+                "sharpness-aware second pass replays forward_backward(batch), so call it from "
+                "forward_backward"
+            )
+        if two_pass and step.updates:
+            raise ReplayError(
+                f"{type(self).__name__}.forward_backward calls model_backward_and_update more "
+                "than once per step: a sharpness-aware optimizer takes one loss per step. Sum "
+                f"the losses into one call, or state the two-step protocol ({_DOCS})"
+            )
+        if step is not None:
+            step.updates += 1
+        loss_fn = partial(self._replay, step) if two_pass else None
+        stats = self.optim_step(loss, loss_fn, self.epoch)
+        if step is not None:
+            step.stats = stats
+
+    def _file_optimizer_step(self, opt, closure=None, **kwargs):
+        """``step()`` of a sharpness-aware optimizer that the file calls itself after its own
+        ``loss.backward()`` (CoCoOp's ``optim.zero_grad(); loss.backward(); optim.step()``):
+        the same replay, ended at the replayed ``step()`` call, whose backward has given the
+        gradient at the perturbed weights. The engine's own calls pass a closure."""
+        if closure is not None or kwargs:
+            return type(opt).step(opt, closure, **kwargs)
+        if not self.optim_step.sharpness_active(self.epoch):
+            return opt.base_optimizer.step()  # before its stage: the base optimizer
+        step = self._step
+        if step is None:
+            raise ReplayError(
+                "A sharpness-aware optimizer's step() was called outside forward_backward: its "
+                "second pass replays forward_backward(batch)"
+            )
+        if step.replaying:
+            raise _SecondPass(None)  # the replay's own backward gave the perturbed gradient
+        if step.updates:
+            raise ReplayError(
+                f"{type(self).__name__}.forward_backward steps its optimizer more than once per "
+                f"step: a sharpness-aware optimizer takes one loss per step ({_DOCS})"
+            )
+        step.updates += 1
+        type(opt).step(opt, partial(self._replay, step))
+        step.stats = dict(getattr(opt, "last_stats", None) or {})
+
+    def _replay(self, step: _Step) -> torch.Tensor | None:
+        """The loss at the current (perturbed) weights: ``forward_backward`` on the same batch,
+        ended inside its ``model_backward_and_update``."""
+        before = self._snapshot()
+        step.replaying = True
+        try:
+            self.forward_backward(step.batch)
+        except _SecondPass as done:
+            loss = done.loss
+        else:
+            raise ReplayError(
+                f"The replayed {type(self).__name__}.forward_backward (the sharpness-aware "
+                "second pass, same batch) returned without calling model_backward_and_update"
+                "(loss) or its optimizer's step(): its path must not depend on state that the "
+                f"first pass changed ({_DOCS})"
+            )
+        finally:
+            step.replaying = False
+        changed = self._changes(before)
+        if changed:
+            raise ReplayError(
+                f"The replayed {type(self).__name__}.forward_backward (the sharpness-aware "
+                f"second pass) changed {', '.join(changed)} before model_backward_and_update("
+                "loss): everything before that call runs twice. Move such side effects after "
+                f"the call, or state the two-step protocol ({_DOCS})"
+            )
+        return loss
+
+    def _snapshot(self) -> dict:
+        attrs = {k: (id(v), v if isinstance(v, (int, float, str, bool)) else None)
+                 for k, v in vars(self).items() if k != "_step"}  # fmt: skip
+        params = {
+            id(p): p._version
+            for opt in self._optims.values()
+            if opt is not None
+            for group in opt.param_groups
+            for p in group["params"]
+        }
+        scheds = {n: getattr(s, "last_epoch", None) for n, s in self._scheds.items()}
+        return {"attrs": attrs, "params": params, "scheds": scheds}
+
+    def _changes(self, before: dict) -> list[str]:
+        after = self._snapshot()
+        changed = [
+            f"self.{k}"
+            for k in sorted(set(before["attrs"]) | set(after["attrs"]))
+            if before["attrs"].get(k) != after["attrs"].get(k)
+        ]
+        changed += [
+            f"the LR scheduler of {n!r} (update_lr)"
+            for n in before["scheds"]
+            if before["scheds"][n] != after["scheds"].get(n)
+        ]
+        if any(after["params"].get(i) != v for i, v in before["params"].items()):
+            changed.append("a learnable parameter (an optimizer step or an in-place update)")
+        return changed
+
+    # -- Dassl's separate steps (one-pass optimizers) ---------------------------------------
+    def _refuse_two_pass(self, what: str) -> None:
+        if self.optim_step.sharpness_active(self.epoch):
+            raise ReplayError(
+                f"{what} with the sharpness-aware optimizer {self.cfg.OPTIM.SAM.NAME!r}: it "
+                "needs the loss of both passes, so call model_backward_and_update(loss) once "
+                f"per step, or state the two-step protocol ({_DOCS})"
+            )
+
+    def model_backward(self, loss: torch.Tensor) -> None:
+        """Dassl's ``model_backward``: anomaly check and ``loss.backward()``."""
+        self._refuse_two_pass(f"{type(self).__name__} calls model_backward(loss)")
+        self.detect_anomaly(loss)
+        loss.backward()
+
+    def model_update(self, names=None) -> None:
+        """Dassl's ``model_update``: step the optimizers of ``names`` (default all)."""
+        self._refuse_two_pass(f"{type(self).__name__} calls model_update()")
+        for name in self.get_model_names(names):
+            opt = self._optims[name]
+            if opt is not None:  # before its stage, a sharpness-aware wrapper steps its base
+                getattr(opt, "base_optimizer", opt).step()
+
+    def prograd_backward_and_update(self, loss_a, loss_b, lambda_=1.0, names=None) -> None:
+        """ProGrad's step (the Dassl fork of ProGrad, Zhu et al. ICCV 2023): update along the
+        gradient of ``loss_a``, with its component against the gradient of ``loss_b`` removed
+        (times ``lambda_``) per parameter where the two conflict (negative cosine).
+
+        One-pass optimizers only: a sharpness-aware optimizer is refused (ReplayError).
+        """
+        self._refuse_two_pass(f"{type(self).__name__} calls prograd_backward_and_update()")
+        names = self.get_model_names(names)
+        params = [p for n in names for p in self._models[n].parameters() if p.requires_grad]
+        self.model_zero_grad(names)
+        self.detect_anomaly(loss_b)
+        guide = torch.autograd.grad(loss_b, params, retain_graph=True, allow_unused=True)
+        self.detect_anomaly(loss_a)
+        loss_a.backward()
+        with torch.no_grad():
+            for p, g_b in zip(params, guide):
+                if p.grad is None or g_b is None:
+                    continue
+                unit_b = (g_b / torch.linalg.norm(g_b)).flatten()
+                along = torch.dot(p.grad.flatten(), unit_b)  # the projection of g_a on g_b
+                if along < 0:  # conflicting: remove lambda_ x the component against g_b
+                    p.grad -= lambda_ * along * unit_b.view_as(p.grad)
+        self.model_update(names)
+
+
+class _DasslTrainerRegistry:
+    """Dassl's ``TRAINER_REGISTRY``: registers into the project's trainer registry.
+
+    A Dassl trainer named like one of the project's (CoOp's file registers ``CoOp``) replaces
+    it for this process, keeping its config keys (the file reads the same ``TRAINER.<NODE>``);
+    a warning says so.
+    """
+
+    def register(self, obj=None, force: bool = False):
+        if obj is None:
+            return partial(self._register, force=force)
+        return self._register(obj, force=force)
+
+    def _register(self, obj, force: bool = False):
+        name = obj.__name__
+        existing = _ENGINE_TRAINERS.get(name) if name in _ENGINE_TRAINERS else None
+        if existing is not None and existing is not obj and not _is_dassl_trainer(existing):
+            if _is_dassl_trainer(obj):
+                obj._replaces = existing
+            logger.warning(
+                "The trainer %s of %s replaces this project's trainer of that name (%s.%s) in "
+                "this process",
+                name,
+                obj.__module__,
+                existing.__module__,
+                existing.__qualname__,
+            )
+            force = True
+        _ENGINE_TRAINERS.register(obj, force=force)
+        return obj
+
+    def get(self, name: str):
+        return _ENGINE_TRAINERS.get(name)
+
+    def registered_names(self) -> list[str]:
+        return _ENGINE_TRAINERS.registered_names()
+
+    def __contains__(self, name) -> bool:
+        return name in _ENGINE_TRAINERS
+
+    def __iter__(self):
+        return iter(_ENGINE_TRAINERS)
+
+    def __len__(self) -> int:
+        return len(_ENGINE_TRAINERS)
+
+
+TRAINER_REGISTRY = _DasslTrainerRegistry()
+
+
+def __getattr__(name: str):
+    """``SummaryWriter`` (DePT's trainers import it from here), from tensorboard on demand."""
+    if name == "SummaryWriter":
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
