@@ -53,6 +53,8 @@ from engine.clip import (
     tokenize,
     truncate_tokens,
 )
+from engine.clip.model import backbone_label, vision_tower_kind
+from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
@@ -245,6 +247,23 @@ class MaPLeCLIP(nn.Module):
         return self.logits(self.encode_image(image, prompts), self.encode_text(prompts))
 
 
+VIT_BACKBONES = (
+    "ViT-B/32, ViT-B/16, ViT-L/14, ViT-L/14@336px, or an open_clip ViT as arch:tag (e.g. "
+    "ViT-H-14:laion2b_s32b_b79k)"
+)
+
+
+def check_vit_backbone(trainer: str, cfg) -> None:
+    """Refuse a ResNet backbone before CLIP is loaded (vision prompts need a ViT)."""
+    if vision_tower_kind(cfg) == "resnet":
+        raise ConfigError(
+            f"{trainer} cannot use the backbone {backbone_label(cfg)}: its vision prompts are "
+            "tokens inserted into the image encoder's token sequence, which a ResNet image "
+            f"encoder does not have. Set MODEL.BACKBONE.NAME to a ViT: {VIT_BACKBONES}. "
+            "(CoOp, CoCoOp, KgCoOp, TCP and zero-shot CLIP work with the ResNets.)"
+        )
+
+
 @TRAINER_REGISTRY.register()
 class MaPLe(TrainerX):
     """Multi-modal Prompt Learning (MaPLe).
@@ -257,6 +276,9 @@ class MaPLe(TrainerX):
     model_name = "MultiModalPromptLearner"  # checkpoint folder, as in MaPLe's code base
 
     MODEL_CLASS = MaPLeCLIP  # CoPrompt: its CLIP with adapters and teacher
+
+    def check_cfg(self, cfg):
+        check_vit_backbone(TRAINER_REGISTRY.name_of(type(self)) or type(self).__name__, cfg)
 
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)

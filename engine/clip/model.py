@@ -160,6 +160,29 @@ def _model_config(cfg) -> tuple[dict, str]:
     return model_cfg, arch
 
 
+def vision_tower_kind(cfg) -> str | None:
+    """``"vit"`` or ``"resnet"``: the image tower that ``cfg.MODEL.BACKBONE`` (NAME or CONFIG)
+    describes, read from its model config without building anything; None when it cannot be
+    told before loading (only a weights file, or a timm tower)."""
+    bb = cfg.MODEL.BACKBONE
+    if not (bb.CONFIG or bb.NAME):
+        return None
+    try:
+        model_cfg, _ = _model_config(cfg)
+    except BackboneError:  # load_clip reports it with the places searched
+        return None
+    vision = model_cfg.get("vision_cfg", {})
+    if vision.get("timm_model_name"):
+        return None
+    return "resnet" if isinstance(vision.get("layers"), (list, tuple)) else "vit"
+
+
+def backbone_label(cfg) -> str:
+    """How messages name the backbone: MODEL.BACKBONE.NAME, else its CONFIG or PATH file."""
+    bb = cfg.MODEL.BACKBONE
+    return bb.NAME or bb.CONFIG or bb.PATH or "(none)"
+
+
 def find_weights(cfg) -> tuple[str | None, list[str]]:
     """The weights file to load and the list of places searched."""
     searched = []
