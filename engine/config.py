@@ -123,8 +123,8 @@ _C.MODEL.COMPILE = "auto"
 # chunk alone lowers only the peak of no-grad encoding, checkpointing alone only frees the
 # activations between forward and backward. Results are unchanged up to fp32 rounding. A text
 # encoder with either option on runs eagerly (MODEL.COMPILE still compiles the image encoders)
-_C.MODEL.TEXT_CHUNK = 0
-_C.MODEL.CHECKPOINT_TEXT = False
+_C.MODEL.TEXT_CHUNK = 0  # class prompts per pass through the text tower (0: all at once)
+_C.MODEL.CHECKPOINT_TEXT = False  # recompute each text chunk's activations in the backward
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

@@ -14,6 +14,7 @@ from conftest import make_cfg
 from helpers import DEPTH, assert_one_step_updates, tiny_options
 
 from engine import build_trainer
+from engine.clip.model import BackboneError
 from engine.clip.toy import write_tiny_clip
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
@@ -95,3 +96,34 @@ def test_vision_prompt_trainers_refuse_resnets(trainer, backbone, family_opts, t
     message = str(info.value)
     assert f"{trainer} cannot use the backbone {backbone}" in message
     assert "ViT-B/16" in message and "ViT-L/14" in message
+
+
+@pytest.mark.parametrize(
+    "backbone,size", [("ViT-L/14@336px", "(28, 28)"), ("RN50x4", "(32, 32)")], ids=["vit", "rn"]
+)
+def test_input_size_must_be_the_backbones(backbone, size, family_opts, tmp_path):
+    opts = options("CoOp", backbone, family_opts, "/nonexistent", tmp_path) + ["INPUT.SIZE", size]
+    want = f"INPUT.SIZE {size} differs from the CLIP image size .* of the backbone {backbone}"
+    with pytest.raises(ConfigError, match=want.replace("(", r"\(").replace(")", r"\)")):
+        build_trainer(make_cfg(opts, "CoOp"), classnames=["cat", "dog"])
+
+
+@pytest.mark.parametrize("arch", ["ViT-L-14-CLIPA", "ViT-H-14-worldwide", "ViT-B-16-SigLIP"])
+def test_text_towers_without_clip_prompts_are_refused(arch, tmp_path):
+    """Other tokenizers, no causal mask, custom text towers: a BackboneError naming what works."""
+    opts = ["--output-dir", str(tmp_path), "MODEL.BACKBONE.NAME", arch]
+    opts += ["MODEL.BACKBONE.PRETRAINED", "False", "TRAINER.COOP.PREC", "fp32"]
+    with pytest.raises(BackboneError, match="another tokenizer|standard text tower"):
+        build_trainer(make_cfg(opts, "CoOp"), classnames=["cat", "dog"])
+
+
+def test_published_vit_l14_setting():
+    """PromptSRC's ViT-L/14 base-to-new setting (PromptKD's teacher config)."""
+    name = "configs/trainers/PromptSRC/vit_l14_c2_ep20_batch8_4+4ctx.yaml"
+    for config_file in (name, name.replace("4+4ctx", "4x4ctx")):
+        cfg = make_cfg([], trainer="PromptSRC", config_file=config_file)
+        node = cfg.TRAINER.PROMPTSRC
+        assert cfg.MODEL.BACKBONE.NAME == "ViT-L/14" and cfg.DATALOADER.TRAIN_X.BATCH_SIZE == 8
+        assert (cfg.OPTIM.NAME, cfg.OPTIM.LR, cfg.OPTIM.MAX_EPOCH) == ("sgd", 0.005, 20)
+        assert (node.N_CTX_TEXT, node.N_CTX_VISION) == (4, 4)
+        assert (node.PROMPT_DEPTH_TEXT, node.PROMPT_DEPTH_VISION) == (9, 9)

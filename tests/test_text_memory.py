@@ -122,3 +122,28 @@ def test_compiled_model_leaves_a_chunked_text_encoder_eager(deep_opts, tmp_path)
 def test_negative_text_chunk_is_refused(deep_opts, tmp_path):
     with pytest.raises(ConfigError, match=r"MODEL.TEXT_CHUNK must be an integer >= 0"):
         build("CoOp", deep_opts, tmp_path, 4, -1)
+
+
+def test_benchmark_reports_the_peak_per_variant(tmp_path, monkeypatch):
+    """tools/benchmark.py --memory: one row per trainer x classes x variant, the checkpointed
+    chunks below the plain step (--small on an even narrower CLIP, for speed)."""
+    import tools.benchmark as bench
+    from tools.benchmark import build_parser, memory_report
+
+    narrow = {**bench.SMALL_CLIP, "embed_dim": 32}
+    narrow["vision_cfg"] = {**narrow["vision_cfg"], "width": 32, "layers": 2, "head_width": 16}
+    narrow["text_cfg"] = {**narrow["text_cfg"], "width": 32, "layers": 2}
+    monkeypatch.setattr(bench, "SMALL_CLIP", narrow)
+    out = tmp_path / "memory.json"
+    args = ["--memory", "--small", "--device", "cpu", "--trainers", "CoOp"]
+    args += ["--memory-classes", "200", "--memory-chunk", "20", "--json", str(out)]
+    result, failed = memory_report(build_parser().parse_args(args))
+    assert not failed and out.exists()
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "chunks", "checkpointed chunks"}
+    assert result["measure"].startswith("tensor accounting")
+    for r in rows.values():
+        assert r["classes"] == 200 and r["finite_loss"] and r["prec"] == "fp32"
+        assert r["total_mb"] == pytest.approx(r["step_mb"] + r["resident_mb"])
+    assert rows["checkpointed chunks"]["text_chunk"] == 20
+    assert rows["checkpointed chunks"]["step_mb"] < 0.7 * rows["plain"]["step_mb"]

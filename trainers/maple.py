@@ -282,13 +282,7 @@ class MaPLe(TrainerX):
 
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)
-        image_size = tuple(require_vit(clip_model, f"{type(self).__name__}'s prompts").image_size)
-        if tuple(self.cfg.INPUT.SIZE) != image_size:
-            raise ValueError(
-                f"INPUT.SIZE {tuple(self.cfg.INPUT.SIZE)} differs from the CLIP image size "
-                f"{image_size}: the prompted ViT needs its own input size (set INPUT.SIZE "
-                f"{image_size})"
-            )
+        require_vit(clip_model, f"{type(self).__name__}'s prompts")
         model = self.MODEL_CLASS.from_config(self.cfg, self.classnames, clip_model)
         self.model = model.to(self.device)
         setup_learnable(self, self.model.learnable, self.model_name)
