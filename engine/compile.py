@@ -36,7 +36,7 @@ What a compiled encoder does (:class:`CompiledForward`, which replaces the modul
 - A text encoder with a memory option on (``MODEL.TEXT_CHUNK`` / ``MODEL.CHECKPOINT_TEXT``,
   engine/clip/text.py) is left eager: its forward is a Python loop of activation checkpoints,
   whose recomputation in the backward would replay CUDA graphs outside their step. The image
-  encoders are compiled as usual (tests/test_backbones_memory.py).
+  encoders are compiled as usual (tests/test_text_memory.py).
 - ``reduce-overhead`` outputs live in a CUDA-graph memory pool that the next replay overwrites:
   they are cloned, and :func:`mark_step` starts each training step and evaluation batch.
 

@@ -93,9 +93,10 @@ def test_vision_prompt_trainers_refuse_resnets(trainer, backbone, family_opts, t
     cfg = make_cfg(options(trainer, backbone, family_opts, "/nonexistent", tmp_path), trainer)
     with pytest.raises(ConfigError) as info:  # before any data or weights are read
         build_trainer(cfg)
+    assert isinstance(info.value, BackboneError)  # as when the model itself is refused
     message = str(info.value)
-    assert f"{trainer} cannot use the backbone {backbone}" in message
-    assert "ViT-B/16" in message and "ViT-L/14" in message
+    assert f"{trainer} cannot use the backbone {backbone}: its vision prompts need a ViT" in message
+    assert "MODEL.BACKBONE.NAME ViT-B/16" in message and "ViT-L/14@336px" in message
 
 
 @pytest.mark.parametrize(

@@ -1032,6 +1032,9 @@ def memory_report(args) -> tuple[dict, list[str]]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available (use --device cpu)")
     classes = [int(c) for c in args.memory_classes.split(",")]
+    unknown = set(args.memory_variants.split(",")) - set(MEMORY_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--memory-variants: unknown {sorted(unknown)}; of {MEMORY_VARIANTS}")
     asked = args.trainers.split(",") if args.trainers != ",".join(TRAINERS) else MEMORY_TRAINERS
     tmp = tempfile.mkdtemp(prefix="sample-pl-memory-")
     rows: list[dict] = []
@@ -1050,7 +1053,7 @@ def memory_report(args) -> tuple[dict, list[str]]:
                 logger.warning("Trainer %s is not registered: skipped", trainer)
                 continue
             for n_cls in classes:
-                for variant in MEMORY_VARIANTS:
+                for variant in args.memory_variants.split(","):
                     what = f"{trainer} {variant} {n_cls}"
                     try:
                         row = memory_row(trainer, n_cls, variant, s, tmp, args.memory_chunk)
@@ -1431,6 +1434,11 @@ def build_parser() -> argparse.ArgumentParser:
         "MaPLe and PromptSRC (or --trainers) at --memory-classes, plain, in text chunks of "
         "--memory-chunk classes, and in checkpointed chunks (MODEL.TEXT_CHUNK, "
         "MODEL.CHECKPOINT_TEXT)",
+    )
+    memory.add_argument(
+        "--memory-variants",
+        default=",".join(MEMORY_VARIANTS),
+        help=f"comma-separated, of {', '.join(MEMORY_VARIANTS)} (default: all)",
     )
     memory.add_argument(
         "--memory-chunk",

@@ -53,8 +53,7 @@ from engine.clip import (
     tokenize,
     truncate_tokens,
 )
-from engine.clip.model import backbone_label, vision_tower_kind
-from engine.errors import ConfigError
+from engine.clip.model import BackboneRefused, backbone_label, vision_tower_kind
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
@@ -256,11 +255,12 @@ VIT_BACKBONES = (
 def check_vit_backbone(trainer: str, cfg) -> None:
     """Refuse a ResNet backbone before CLIP is loaded (vision prompts need a ViT)."""
     if vision_tower_kind(cfg) == "resnet":
-        raise ConfigError(
-            f"{trainer} cannot use the backbone {backbone_label(cfg)}: its vision prompts are "
-            "tokens inserted into the image encoder's token sequence, which a ResNet image "
-            f"encoder does not have. Set MODEL.BACKBONE.NAME to a ViT: {VIT_BACKBONES}. "
-            "(CoOp, CoCoOp, KgCoOp, TCP and zero-shot CLIP work with the ResNets.)"
+        raise BackboneRefused(
+            f"{trainer} cannot use the backbone {backbone_label(cfg)}: its vision prompts need a "
+            "ViT image encoder (a token sequence to insert prompts into), and this backbone's "
+            "image encoder is a ResNet (ModifiedResNet). Set MODEL.BACKBONE.NAME ViT-B/16 or "
+            f"another ViT: {VIT_BACKBONES}. (CoOp, CoCoOp, KgCoOp, TCP and zero-shot CLIP work "
+            "with the ResNets.)"
         )
 
 

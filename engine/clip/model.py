@@ -31,6 +31,7 @@ import zipfile
 
 import torch
 
+from engine.errors import ConfigError
 from optim.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,11 @@ class BackboneError(UserError, RuntimeError):
     """The CLIP backbone cannot be built or its weights cannot be found/loaded."""
 
 
+class BackboneRefused(BackboneError, ConfigError):
+    """A configured backbone that the trainer cannot use, refused before anything is loaded
+    (both a :class:`BackboneError` and a :class:`~engine.errors.ConfigError`)."""
+
+
 def resolve_name(name: str) -> tuple[str, str]:
     """``(open_clip architecture, pretrained tag)`` for a backbone name."""
     if name in OPENAI_MODELS:
@@ -189,8 +195,6 @@ def check_input_size(cfg, model: torch.nn.Module) -> None:
     size only."""
     from open_clip.modified_resnet import ModifiedResNet
     from open_clip.transformer import VisionTransformer
-
-    from engine.errors import ConfigError
 
     for module in model.modules():
         if isinstance(module, VisionTransformer):

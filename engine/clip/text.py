@@ -118,9 +118,9 @@ class TextEncoder(nn.Module):
     activations are freed after the forward and recomputed, one chunk at a time, in the
     backward. Chunks alone lower the peak of no-grad encoding only (a recorded graph keeps every
     chunk's activations until the backward); chunks with checkpointing lower the training peak
-    to about one chunk's activations. The features are the same rows computed by the same
-    kernels on fewer rows at a time (tests/test_backbones_memory.py: equal within fp32
-    rounding; checkpointing alone: bit-identical).
+    to about one chunk's activations. Checkpointing alone is bit-identical to the plain pass;
+    chunks agree with it up to fp32 rounding (fewer rows per matrix product change the kernels'
+    blocking), as tests/test_text_memory.py checks.
     """
 
     def __init__(self, clip_model):
