@@ -283,6 +283,8 @@ def compile_encoders(model: nn.Module, mode: str) -> list[str]:
         raise ValueError(f"not a torch.compile mode or backend: {mode!r}")
     import torch._dynamo
 
+    from .clip.text import TextEncoder
+
     types = _encoder_types()
     torch._dynamo.config.cache_size_limit = max(
         torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT
@@ -293,7 +295,7 @@ def compile_encoders(model: nn.Module, mode: str) -> list[str]:
             module.__dict__.get("forward"), CompiledForward
         ):
             label = name or type(module).__name__
-            if isinstance(module, types[0]) and module.saves_memory:
+            if isinstance(module, TextEncoder) and module.saves_memory:
                 eager_text.append(label)  # a loop of checkpointed chunks: not compiled
                 continue
             module.forward = CompiledForward(label, module.forward, mode)
