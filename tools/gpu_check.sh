@@ -35,7 +35,7 @@ if [[ ${GPU_CHECK_SMALL:-0} == 1 ]]; then
 else
   STEPS=(--device cuda)
   RUNS=(--device cuda --run-workers 1,2,4,8)
-  MEMORY=(--device cuda)
+  MEMORY=(--device cuda --memory-chunk 100)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 fi
 if [[ $PARTS == *" memory "* ]]; then
