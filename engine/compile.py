@@ -33,6 +33,10 @@ What a compiled encoder does (:class:`CompiledForward`, which replaces the modul
 - Compiled graphs are cached by ``torch._dynamo`` per code object, not per module: a second run
   in the same process (``tools/grid.py`` workers) with the same shapes reuses them without
   compiling again (``tests/test_compile.py`` counts the graphs).
+- A text encoder with a memory option on (``MODEL.TEXT_CHUNK`` / ``MODEL.CHECKPOINT_TEXT``,
+  engine/clip/text.py) is left eager: its forward is a Python loop of activation checkpoints,
+  whose recomputation in the backward would replay CUDA graphs outside their step. The image
+  encoders are compiled as usual (tests/test_text_memory.py).
 - ``reduce-overhead`` outputs live in a CUDA-graph memory pool that the next replay overwrites:
   they are cloned, and :func:`mark_step` starts each training step and evaluation batch.
 
@@ -279,19 +283,30 @@ def compile_encoders(model: nn.Module, mode: str) -> list[str]:
         raise ValueError(f"not a torch.compile mode or backend: {mode!r}")
     import torch._dynamo
 
+    from .clip.text import TextEncoder
+
     types = _encoder_types()
     torch._dynamo.config.cache_size_limit = max(
         torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT
     )
-    compiled = []
+    compiled, eager_text = [], []
     for name, module in model.named_modules():
         if isinstance(module, types) and not isinstance(
             module.__dict__.get("forward"), CompiledForward
         ):
             label = name or type(module).__name__
+            if isinstance(module, TextEncoder) and module.saves_memory:
+                eager_text.append(label)  # a loop of checkpointed chunks: not compiled
+                continue
             module.forward = CompiledForward(label, module.forward, mode)
             compiled.append(label)
     logger.info("torch.compile (%s): %s", mode, ", ".join(compiled) or "no encoder found")
+    if eager_text:
+        logger.info(
+            "Not compiled (MODEL.TEXT_CHUNK / MODEL.CHECKPOINT_TEXT on: chunked, checkpointed "
+            "text encoding runs eagerly): %s",
+            ", ".join(eager_text),
+        )
     return compiled
 
 

@@ -136,6 +136,16 @@ _C.MODEL.BACKBONE.CONFIG = ""  # path to an open_clip model-config JSON (custom/
 # off on CPU and for evaluation-only runs) | "" or off | default | reduce-overhead |
 # max-autotune | max-autotune-no-cudagraphs | eager | aot_eager (see engine/compile.py)
 _C.MODEL.COMPILE = "auto"
+# Memory of the class-prompt text encoding (engine/clip/text.py; docs/backbones.md has the table).
+# TEXT_CHUNK: class prompts per pass through the text tower (0: all at once). CHECKPOINT_TEXT:
+# each chunk is an activation checkpoint while training (its activations are recomputed in the
+# backward instead of kept). Both together (e.g. 100 and True) bound the text side of a
+# training step by about one chunk's activations (1,000 ImageNet classes on a small GPU); a
+# chunk alone lowers only the peak of no-grad encoding, checkpointing alone only frees the
+# activations between forward and backward. Results are unchanged up to fp32 rounding. A text
+# encoder with either option on runs eagerly (MODEL.COMPILE still compiles the image encoders)
+_C.MODEL.TEXT_CHUNK = 0  # class prompts per pass through the text tower (0: all at once)
+_C.MODEL.CHECKPOINT_TEXT = False  # recompute each text chunk's activations in the backward
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

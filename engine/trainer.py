@@ -337,6 +337,12 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         else:
             self.set_classnames(classnames)
         self.build_model()
+        if isinstance(getattr(self, "model", None), nn.Module):
+            from .clip.model import check_input_size  # lazily, as every engine use of open_clip
+            from .clip.text import set_text_memory
+
+            check_input_size(cfg, self.model)  # the CLIP image tower's size
+            set_text_memory(self.model, cfg.MODEL.TEXT_CHUNK, cfg.MODEL.CHECKPOINT_TEXT)
         if cfg.MODEL.COMPILE != AUTO:  # an explicit mode: evaluation-only runs compile too
             self.compile_model()
         self.optim_step = build_step(

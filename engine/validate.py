@@ -1,4 +1,4 @@
-"""Value checks of the engine's OPTIM/TRAIN/TEST keys, run before anything is built.
+"""Value checks of the engine's OPTIM/TRAIN/TEST keys (and MODEL.TEXT_CHUNK), run first.
 
 Types are checked when configs are merged (:mod:`engine.config`); this module checks values:
 ranges and choices, each failure a :class:`~engine.errors.ConfigError` naming the key, the value
@@ -30,6 +30,7 @@ _RANGES = (
     ("OPTIM.SAM.ALPHA", lambda v: 0 <= v <= _FP32_MAX, _NONNEG),
     ("OPTIM.SAM.LAMBDA", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("OPTIM.SAM.START_EPOCH", lambda v: v >= 0, "an integer >= 0"),
+    ("MODEL.TEXT_CHUNK", lambda v: v >= 0, "an integer >= 0 (class prompts per chunk; 0: all)"),
     ("TRAIN.PRINT_FREQ", lambda v: v >= 1, "an integer >= 1 (batches between progress lines)"),
     ("TRAIN.CHECKPOINT_FREQ", lambda v: v >= 0, "an integer >= 0 (0: the last epoch only)"),
 )

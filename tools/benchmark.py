@@ -6,7 +6,9 @@ The command line of two modules cut along their jobs:
   registered trainers against the reference style of the original code bases (ratios of the
   issue's targets, one row per trainer x optimizer x precision);
 - :mod:`tools.benchmark_runs` (``--runs``): whole ``train.py`` runs (fixed cost as a process and
-  in-process, runs per process with several workers, the paper grid's device-hours).
+  in-process, runs per process with several workers, the paper grid's device-hours);
+- :mod:`tools.benchmark_memory` (``--memory``): the peak memory of a training step per trainer at
+  100 and 1,000 classes, plain and with the text-memory options.
 
 Usage::
 
@@ -14,6 +16,7 @@ Usage::
     python tools/benchmark.py --small                          # reduced width, CPU, ~1 minute
     python tools/benchmark.py --device cpu --optims sgd,sample # full size on CPU (~20 minutes)
     python tools/benchmark.py --runs --json runs.json          # whole-run costs
+    python tools/benchmark.py --memory --small --device cpu    # peak memory per trainer
 
 The public names of both modules are importable from here as before.
 """
@@ -30,6 +33,15 @@ import torch
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
+from tools.benchmark_memory import (  # noqa: E402
+    MEMORY_CHUNK,
+    MEMORY_CLASSES,
+    MEMORY_TRAINERS,
+    MEMORY_VARIANTS,
+    memory_report,
+    memory_row,
+    print_memory_report,
+)
 from tools.benchmark_runs import (  # noqa: E402
     DATASET_CLASSES,
     RELEASED,
@@ -162,6 +174,13 @@ __all__ = [
     "print_report",
     "run",
     "write_json",
+    "MEMORY_CHUNK",
+    "MEMORY_CLASSES",
+    "MEMORY_TRAINERS",
+    "MEMORY_VARIANTS",
+    "memory_report",
+    "memory_row",
+    "print_memory_report",
 ]
 
 logger = logging.getLogger("benchmark")
@@ -210,6 +229,31 @@ def build_parser() -> argparse.ArgumentParser:
         "the project's step eagerly)",
     )
     parser.add_argument("--verbose", action="store_true", help="the engine's INFO messages too")
+    memory = parser.add_argument_group("peak memory (--memory)")
+    memory.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure the peak memory of a training step instead: CoOp, KgCoOp, TCP, CoCoOp, "
+        "MaPLe and PromptSRC (or --trainers) at --memory-classes, plain, in text chunks of "
+        "--memory-chunk classes, and in checkpointed chunks (MODEL.TEXT_CHUNK, "
+        "MODEL.CHECKPOINT_TEXT)",
+    )
+    memory.add_argument(
+        "--memory-variants",
+        default=",".join(MEMORY_VARIANTS),
+        help=f"comma-separated, of {', '.join(MEMORY_VARIANTS)} (default: all)",
+    )
+    memory.add_argument(
+        "--memory-chunk",
+        type=int,
+        default=MEMORY_CHUNK,
+        help=f"MODEL.TEXT_CHUNK of the rows with the memory options (default {MEMORY_CHUNK})",
+    )
+    memory.add_argument(
+        "--memory-classes",
+        default=",".join(str(c) for c in MEMORY_CLASSES),
+        help="comma-separated class counts (default 100,1000)",
+    )
     runs = parser.add_argument_group("whole runs (--runs)")
     runs.add_argument(
         "--runs",
@@ -251,6 +295,14 @@ def main(argv=None) -> int:
             logging.getLogger(name).setLevel(logging.ERROR)
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory:
+        result, failed = memory_report(args)
+        print_memory_report(result)
+        if args.json:
+            write_json(args.json, result)
+        if failed:
+            print(f"FAILED measurements (tracebacks above): {', '.join(failed)}", file=sys.stderr)
+        return 1 if failed else 0
     t0 = time.perf_counter()
     result, failed = run(args)
     print_report(result)

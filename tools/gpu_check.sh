@@ -12,7 +12,13 @@
 #                    compilation seconds; evaluation; loader images/s vs the step's demand
 #   runs.json/.log   tools/benchmark.py --runs --device cuda: fixed cost per run (process and
 #                    in-process), runs/hour with 1, 2, 4, 8 workers, the paper-grid GPU-hours
+#   memory.json/.log tools/benchmark.py --memory --device cuda (issue 23): peak memory of a
+#                    training step of CoOp, KgCoOp, MaPLe, PromptSRC at 100 and 1,000 classes,
+#                    plain and with MODEL.TEXT_CHUNK / MODEL.CHECKPOINT_TEXT (random ViT-B/16,
+#                    the configs' fp16); at most 4 minutes (MEMORY_LIMIT)
 #   nvidia-smi.txt
+# GPU_CHECK_PARTS picks parts (default "steps runs memory", up to 13.5 minutes: more than one
+# device call allows, so give a call one or two parts, e.g. GPU_CHECK_PARTS=memory).
 # GPU_CHECK_SMALL=1 runs the same sequence on CPU with --small and tiny runs (a smoke test).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
@@ -21,17 +27,29 @@ mkdir -p "$OUT"
 if compgen -G "wheels/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps wheels/*.whl || exit 1
 fi
+PARTS=" ${GPU_CHECK_PARTS:-steps runs memory} "
 if [[ ${GPU_CHECK_SMALL:-0} == 1 ]]; then
   STEPS=(--small --device cpu --steps 1 --warmup 0 --compile aot_eager)
   RUNS=(--device cpu --run-epochs 1 --run-repeats 1 --run-workers 1 --packed-runs 2)
+  MEMORY=(--small --device cpu --memory-classes 20,40 --memory-chunk 10)
 else
   STEPS=(--device cuda)
   RUNS=(--device cuda --run-workers 1,2,4,8)
+  MEMORY=(--device cuda --memory-chunk 100)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 fi
+if [[ $PARTS == *" memory "* ]]; then
+  timeout "${MEMORY_LIMIT:-240}" $PY tools/benchmark.py --memory "${MEMORY[@]}" \
+    --trainers CoOp,KgCoOp,MaPLe,PromptSRC --json "$OUT/memory.json" > "$OUT/memory.log" 2>&1
+  echo "memory: exit $?"
+  tail -n 30 "$OUT/memory.log"
+fi
+if [[ $PARTS == *" steps "* ]]; then
 timeout "${STEPS_LIMIT:-360}" $PY tools/benchmark.py "${STEPS[@]}" --trainers CoOp,CoCoOp,MaPLe \
   --optims sgd,sample --json "$OUT/steps.json" > "$OUT/steps.log" 2>&1
 echo "steps: exit $?"
+fi
+if [[ $PARTS == *" runs "* ]]; then
 # the grid estimate from the CoOp SGD and SAMPLe steps just measured (else the released anchors)
 STEP_MS=$($PY - "$OUT/steps.json" <<'EOF'
 import json, sys
@@ -47,3 +65,4 @@ timeout "${RUNS_LIMIT:-200}" $PY tools/benchmark.py --runs "${RUNS[@]}" ${STEP_M
   --json "$OUT/runs.json" > "$OUT/runs.log" 2>&1
 echo "runs: exit $?"
 tail -n 30 "$OUT/steps.log" "$OUT/runs.log"
+fi

@@ -184,6 +184,7 @@ class IVLP(MaPLe):
     MODEL_CLASS = IVLPCLIP
 
     def check_cfg(self, cfg):
+        super().check_cfg(cfg)  # a ViT backbone
         node = self.trainer_cfg(cfg)
         for key, low in (
             ("N_CTX_TEXT", 1),

@@ -53,6 +53,7 @@ from engine.clip import (
     tokenize,
     truncate_tokens,
 )
+from engine.clip.model import BackboneRefused, backbone_label, vision_tower_kind
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
@@ -245,6 +246,24 @@ class MaPLeCLIP(nn.Module):
         return self.logits(self.encode_image(image, prompts), self.encode_text(prompts))
 
 
+VIT_BACKBONES = (
+    "ViT-B/32, ViT-B/16, ViT-L/14, ViT-L/14@336px, or an open_clip ViT as arch:tag (e.g. "
+    "ViT-H-14:laion2b_s32b_b79k)"
+)
+
+
+def check_vit_backbone(trainer: str, cfg) -> None:
+    """Refuse a ResNet backbone before CLIP is loaded (vision prompts need a ViT)."""
+    if vision_tower_kind(cfg) == "resnet":
+        raise BackboneRefused(
+            f"{trainer} cannot use the backbone {backbone_label(cfg)}: its vision prompts need a "
+            "ViT image encoder (a token sequence to insert prompts into), and this backbone's "
+            "image encoder is a ResNet (ModifiedResNet). Set MODEL.BACKBONE.NAME ViT-B/16 or "
+            f"another ViT: {VIT_BACKBONES}. (CoOp, CoCoOp, KgCoOp, TCP and zero-shot CLIP work "
+            "with the ResNets.)"
+        )
+
+
 @TRAINER_REGISTRY.register()
 class MaPLe(TrainerX):
     """Multi-modal Prompt Learning (MaPLe).
@@ -258,15 +277,12 @@ class MaPLe(TrainerX):
 
     MODEL_CLASS = MaPLeCLIP  # CoPrompt: its CLIP with adapters and teacher
 
+    def check_cfg(self, cfg):
+        check_vit_backbone(TRAINER_REGISTRY.name_of(type(self)) or type(self).__name__, cfg)
+
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)
-        image_size = tuple(require_vit(clip_model, f"{type(self).__name__}'s prompts").image_size)
-        if tuple(self.cfg.INPUT.SIZE) != image_size:
-            raise ValueError(
-                f"INPUT.SIZE {tuple(self.cfg.INPUT.SIZE)} differs from the CLIP image size "
-                f"{image_size}: the prompted ViT needs its own input size (set INPUT.SIZE "
-                f"{image_size})"
-            )
+        require_vit(clip_model, f"{type(self).__name__}'s prompts")
         model = self.MODEL_CLASS.from_config(self.cfg, self.classnames, clip_model)
         self.model = model.to(self.device)
         setup_learnable(self, self.model.learnable, self.model_name)

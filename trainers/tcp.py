@@ -212,14 +212,17 @@ class TCPCLIP(FrozenImageCLIP):
     def encode_text(self) -> torch.Tensor:
         """Normalised class text features ``[n_cls, dim]``."""
         pl = self.prompt_learner
-        tokens = pl.class_tokens()
+        tokens = pl.class_tokens()  # [n_cls, n_ctx, width]
 
-        def inject(i: int, x: torch.Tensor) -> torch.Tensor:
+        def inject(i: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             if i != self.inject_layer:
                 return x
-            return torch.cat([x[:, :1], tokens.to(x.dtype), x[:, 1 + pl.n_ctx :]], dim=1)
+            return torch.cat([x[:, :1], rows.to(x.dtype), x[:, 1 + pl.n_ctx :]], dim=1)
 
-        return l2_normalize(self.text_encoder(pl(), pl.eot_idx, layer_hook=inject))
+        # the class-aware tokens travel as row arguments: a chunked encoder hands each chunk
+        # its own classes' tokens (MODEL.TEXT_CHUNK)
+        text = self.text_encoder(pl(), pl.eot_idx, layer_hook=inject, row_args=(tokens,))
+        return l2_normalize(text)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         return self.logits(self.encode_image(image), self.encode_text())

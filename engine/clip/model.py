@@ -37,6 +37,8 @@ import zipfile
 
 import torch
 
+from engine.errors import ConfigError
+
 from . import weights
 from .weights import BackboneError
 
@@ -129,6 +131,11 @@ HF_HUB_PREFIX = "hf-hub:"
 HF_WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
 
+class BackboneRefused(BackboneError, ConfigError):
+    """A configured backbone that the trainer cannot use, refused before anything is loaded
+    (both a :class:`BackboneError` and a :class:`~engine.errors.ConfigError`)."""
+
+
 def resolve_name(name: str) -> tuple[str, str]:
     """``(open_clip architecture, pretrained tag)`` for a backbone name (``hf-hub:org/name``:
     ``("hf-hub:org/name", "")``)."""
@@ -174,6 +181,53 @@ def _model_config(cfg) -> tuple[dict, str]:
     if pcfg.get("quick_gelu") or tag == "openai":
         model_cfg["quick_gelu"] = True
     return model_cfg, arch
+
+
+def vision_tower_kind(cfg) -> str | None:
+    """``"vit"`` or ``"resnet"``: the image tower that ``cfg.MODEL.BACKBONE`` (NAME or CONFIG)
+    describes, read from its model config without building anything; None when it cannot be
+    told before loading (only a weights file, or a timm tower)."""
+    bb = cfg.MODEL.BACKBONE
+    if not (bb.CONFIG or bb.NAME):
+        return None
+    try:
+        model_cfg, _ = _model_config(cfg)
+    except BackboneError:  # load_clip reports it with the places searched
+        return None
+    vision = model_cfg.get("vision_cfg", {})
+    if vision.get("timm_model_name"):
+        return None
+    return "resnet" if isinstance(vision.get("layers"), (list, tuple)) else "vit"
+
+
+def backbone_label(cfg) -> str:
+    """How messages name the backbone: MODEL.BACKBONE.NAME, else its CONFIG or PATH file."""
+    bb = cfg.MODEL.BACKBONE
+    return bb.NAME or bb.CONFIG or bb.PATH or "(none)"
+
+
+def check_input_size(cfg, model: torch.nn.Module) -> None:
+    """Raise ConfigError when ``INPUT.SIZE`` differs from the image size of the first CLIP image
+    tower in ``model``: a ViT's (and a ResNet's attention pool's) positional embeddings fit one
+    size only."""
+    from open_clip.modified_resnet import ModifiedResNet
+    from open_clip.transformer import VisionTransformer
+
+    for module in model.modules():
+        if isinstance(module, VisionTransformer):
+            size = tuple(module.image_size)
+        elif isinstance(module, ModifiedResNet):
+            size = (module.image_size, module.image_size)
+        else:
+            continue
+        if tuple(cfg.INPUT.SIZE) != size:
+            raise ConfigError(
+                f"INPUT.SIZE {tuple(cfg.INPUT.SIZE)} differs from the CLIP image size {size} of "
+                f"the backbone {backbone_label(cfg)}, whose positional embeddings fit that size "
+                f"only: set INPUT.SIZE '{size}' (e.g. ViT-L/14@336px takes (336, 336), RN50x4 "
+                "(288, 288), RN50x16 (384, 384), RN50x64 (448, 448))"
+            )
+        return
 
 
 def find_weights(cfg) -> tuple[str | None, list[str]]:
@@ -367,10 +421,35 @@ def is_torchscript(path: str) -> bool:
         return any(n.split("/", 2)[1:2] == ["code"] for n in zf.namelist())
 
 
+CLIP_VOCAB = 49408  # OpenAI's BPE vocabulary (engine.clip.text.tokenize)
+
+
+def text_tower_problem(text_cfg: dict) -> str:
+    """Why a text tower (an open_clip ``text_cfg``) cannot take CLIP prompts; "" when it can."""
+    if text_cfg.get("hf_tokenizer_name") or text_cfg.get("vocab_size", CLIP_VOCAB) != CLIP_VOCAB:
+        name = text_cfg.get("hf_tokenizer_name") or f"{text_cfg['vocab_size']} tokens"
+        return f"uses another tokenizer ({name})"
+    if text_cfg.get("no_causal_mask"):
+        return "has no causal mask"
+    if text_cfg.get("pool_type", "argmax") != "argmax" or text_cfg.get("embed_cls"):
+        return f"pools its output otherwise ({text_cfg.get('pool_type', 'a class token')})"
+    return ""
+
+
 def build_clip(model_cfg: dict, precision: str = "fp32") -> CLIP:
     """An open_clip CLIP from a model-config dict, with fp16 weights in "fp16" mode."""
     if model_cfg.get("custom_text") or "hf_model_name" in model_cfg.get("text_cfg", {}):
         raise BackboneError("Only CLIP models with the standard text tower are supported")
+    problem = text_tower_problem(model_cfg.get("text_cfg", {}))
+    if problem:
+        raise BackboneError(
+            f"This CLIP's text tower {problem}; the prompt learners need CLIP's BPE tokenizer "
+            f"({CLIP_VOCAB:,} tokens) and a causal text transformer read at the end-of-text token "
+            "(prompts are token embeddings spliced at fixed positions). Use a CLIP ViT or ResNet "
+            "with the standard text tower: OpenAI's, or open_clip's LAION, DataComp, MetaCLIP or "
+            "DFN weights of ViT-B-32, ViT-B-16, ViT-L-14, ViT-H-14, ViT-bigG-14 (not SigLIP, "
+            "CLIPA, CoCa or the multilingual 'worldwide' models)"
+        )
     _enable_towers(model_cfg)
     kwargs = {k: v for k, v in model_cfg.items() if k in _CLIP_KWARGS}
     cast_dtype = torch.float16 if precision == "fp16" else None

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import open_clip
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 _TOKENIZER = None
@@ -91,7 +92,7 @@ def truncate_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, : truncated_length(eot, tokens.shape[1])], eot
 
 
-LayerHook = Callable[[int, torch.Tensor], torch.Tensor]
+LayerHook = Callable[..., torch.Tensor]  # hook(i, x, *row_args) -> x
 
 
 class TextEncoder(nn.Module):
@@ -100,12 +101,26 @@ class TextEncoder(nn.Module):
     Args:
         clip_model: an open_clip ``CLIP``; its modules are shared, not copied.
 
-    ``forward(prompts, eot_idx, layer_hook=None)``:
+    ``forward(prompts, eot_idx, layer_hook=None, row_args=())``:
         prompts: ``[n, L, width]`` token embeddings with ``L <= context_length`` (any L up to
             the longest EOT + 1 gives the full-length result).
         eot_idx: ``[n]`` EOT positions.
-        layer_hook: optional ``hook(i, x) -> x`` applied before block ``i`` (deep prompts).
+        layer_hook: optional ``hook(i, x, *row_args) -> x`` applied before block ``i`` (deep
+            prompts); ``x`` holds the rows of the current chunk.
+        row_args: tensors with one row per prompt (``[n, ...]``) that the hook needs, e.g.
+            TCP's class-aware tokens; each chunk's hook call gets the chunk's rows.
     Returns ``[n, embed_dim]`` features (not normalised).
+
+    Memory options (:meth:`set_memory_options`, from ``MODEL.TEXT_CHUNK`` and
+    ``MODEL.CHECKPOINT_TEXT``): the ``n`` prompts run through the tower in chunks of ``chunk``
+    rows, and with ``checkpoint`` each chunk is an activation checkpoint
+    (``torch.utils.checkpoint``, non-reentrant) while gradients are recorded: its block
+    activations are freed after the forward and recomputed, one chunk at a time, in the
+    backward. Chunks alone lower the peak of no-grad encoding only (a recorded graph keeps every
+    chunk's activations until the backward); chunks with checkpointing lower the training peak
+    to about one chunk's activations. Checkpointing alone is bit-identical to the plain pass;
+    chunks agree with it up to fp32 rounding (fewer rows per matrix product change the kernels'
+    blocking), as tests/test_text_memory.py checks.
     """
 
     def __init__(self, clip_model):
@@ -121,6 +136,21 @@ class TextEncoder(nn.Module):
         if mask is None:
             raise ValueError("The text tower has no causal mask; prompt truncation needs one")
         self.register_buffer("attn_mask", mask, persistent=False)  # [ctx, ctx] additive
+        self.chunk = 0  # prompts per pass through the tower (0: all at once)
+        self.checkpoint = False  # activation checkpointing of each chunk (training only)
+
+    def set_memory_options(self, chunk: int = 0, checkpoint: bool = False) -> None:
+        """Encode ``chunk`` prompts at a time (0: all) and, with ``checkpoint``, recompute each
+        chunk's activations in the backward instead of keeping them (see the class doc)."""
+        if chunk < 0:
+            raise ValueError(f"MODEL.TEXT_CHUNK must be >= 0 (0: all prompts at once), got {chunk}")
+        self.chunk, self.checkpoint = int(chunk), bool(checkpoint)
+
+    @property
+    def saves_memory(self) -> bool:
+        """Whether a memory option is on (the forward is then a Python loop of checkpointed
+        chunks, which engine/compile.py leaves eager)."""
+        return self.chunk > 0 or self.checkpoint
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,17 +161,47 @@ class TextEncoder(nn.Module):
         return len(self.transformer.resblocks)
 
     def forward(
-        self, prompts: torch.Tensor, eot_idx: torch.Tensor, layer_hook: LayerHook | None = None
+        self,
+        prompts: torch.Tensor,
+        eot_idx: torch.Tensor,
+        layer_hook: LayerHook | None = None,
+        row_args: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
+        n = prompts.shape[0]
+        step = self.chunk if 0 < self.chunk < n else n
+        checkpoint = self.checkpoint and torch.is_grad_enabled()
+        if step == n and not checkpoint:  # the plain path
+            return self.encode_rows(layer_hook, prompts, eot_idx, *row_args)
+        feats = []
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            args = (prompts[rows], eot_idx[rows], *(t[rows] for t in row_args))
+            if checkpoint:
+                f = torch.utils.checkpoint.checkpoint(
+                    self.encode_rows, layer_hook, *args, use_reentrant=False
+                )
+            else:
+                f = self.encode_rows(layer_hook, *args)
+            feats.append(f)  # [rows, embed_dim]
+        return torch.cat(feats)
+
+    def encode_rows(
+        self,
+        layer_hook: LayerHook | None,
+        prompts: torch.Tensor,
+        eot_idx: torch.Tensor,
+        *row_args: torch.Tensor,
+    ) -> torch.Tensor:
+        """The tower on one chunk of prompts: ``[rows, L, width]`` -> ``[rows, embed_dim]``."""
         seq_len = prompts.shape[1]
         x = prompts.to(self.dtype) + self.positional_embedding[:seq_len].to(self.dtype)
         mask = self.attn_mask[:seq_len, :seq_len]
         for i, block in enumerate(self.transformer.resblocks):
             if layer_hook is not None:
-                x = layer_hook(i, x)
-            x = block(x, attn_mask=mask)  # [n, L, width]
+                x = layer_hook(i, x, *row_args)
+            x = block(x, attn_mask=mask)  # [rows, L, width]
         x = self.ln_final(x)
-        x = x[torch.arange(x.shape[0], device=x.device), eot_idx]  # [n, width]
+        x = x[torch.arange(x.shape[0], device=x.device), eot_idx]  # [rows, width]
         proj = self.text_projection
         return proj(x) if isinstance(proj, nn.Linear) else x @ proj
 
@@ -158,6 +218,18 @@ class TextEncoder(nn.Module):
         else:
             eot = eot_indices(tokens)
         return self(self.embed_tokens(tokens), eot)
+
+
+def set_text_memory(model: nn.Module, chunk: int, checkpoint: bool) -> list[str]:
+    """:meth:`TextEncoder.set_memory_options` on every text encoder of ``model``; returns their
+    names when an option is on (else an empty list)."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, TextEncoder):
+            module.set_memory_options(chunk, checkpoint)
+            if module.saves_memory:
+                names.append(name or type(module).__name__)
+    return names
 
 
 def encode_texts(
