@@ -6,10 +6,15 @@ A trainer states two things (the step protocol):
     outputs, teacher features, per-step random choices); run under ``torch.no_grad()``, and
 (b) ``compute_loss(inputs)``: its loss (and a dict of scalars to log) from those inputs.
 
-The engine runs (b) and hands the loss, with a function that re-runs (b), to the optimizer's
-step object (:class:`optim.step.OptimizerStep`, built from ``OPTIM``), which owns backward,
-precision scaling, sharpness-aware second passes and staging. So trainers contain no
-optimizer-specific code. The engine detects NaN/inf losses and parameters (raising with epoch,
+A trainer computes its cross-entropy with ``self.classification_loss(logits, label)``, which
+records the pass's logits for the step (per-item losses for ESAM's selection, the outputs for
+SAF/MESA's trajectory loss); ``select_inputs(inputs, subset)`` takes the prepared inputs of a
+part of the batch (a second pass on selected items). The engine runs (b) and hands the loss,
+with a function that re-runs (b), and the batch (:class:`optim.step.StepBatch`: the loss on all
+or part of it, the recorded outputs, the items' dataset indices) to the optimizer's step object
+(:class:`optim.step.OptimizerStep`, built from ``OPTIM``), which owns backward, precision
+scaling, sharpness-aware second passes and staging. So trainers contain no optimizer-specific
+code. The engine detects NaN/inf losses and parameters (raising with epoch,
 batch and loss terms; the run folder is marked as diverged), writes per-step diagnostics and
 steps the LR scheduler once per epoch (and, with ``OPTIM.LR_STEP_PER_BATCH``, after every batch
 of the sharpness-aware stage too).
@@ -34,10 +39,11 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from optim.staging import total_epochs
-from optim.step import build_step
+from optim.step import PassOutputs, StepBatch, build_step
 
 from .checkpoint import CheckpointMixin
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
@@ -68,6 +74,21 @@ def _batch_len(batch) -> int:
     counts as full."""
     label = batch.get("label") if isinstance(batch, dict) else None
     return len(label) if label is not None else 1 << 62
+
+
+def _select(obj, subset: torch.Tensor, size: int):
+    """``obj`` with every tensor whose first dimension is ``size`` indexed by ``subset``, inside
+    tuples, lists and dicts; anything else unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj[subset] if obj.dim() > 0 and obj.shape[0] == size else obj
+    if isinstance(obj, tuple):
+        items = [_select(o, subset, size) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_select(o, subset, size) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _select(v, subset, size) for k, v in obj.items()}
+    return obj
 
 
 def _scalar_row_before(row: dict, start_iter: int, start_epoch: int) -> bool:
@@ -485,6 +506,8 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
 class TrainerX(SimpleTrainer):
     """A trainer over labelled data (``train_loader_x``) with the engine's step protocol."""
 
+    _pass_outputs: PassOutputs | None = None  # what classification_loss recorded this pass
+
     # -- the step protocol ------------------------------------------------------------------
     def parse_batch_train(self, batch):
         dev = self.device
@@ -505,6 +528,25 @@ class TrainerX(SimpleTrainer):
         """
         raise NotImplementedError
 
+    def classification_loss(self, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy of a training pass, ``F.cross_entropy(logits.float(), label)``.
+
+        Records the pass's logits and labels for the optimizer step
+        (:class:`optim.step.PassOutputs`: per-item losses, the outputs of SAF/MESA); every
+        trainer computes its classification loss through it.
+        """
+        self._pass_outputs = PassOutputs(logits, label)
+        return F.cross_entropy(logits.float(), label)
+
+    def select_inputs(self, inputs, subset: torch.Tensor, size: int):
+        """The prepared inputs of the items ``subset`` (1-D indices) of a batch of ``size``.
+
+        Default: every tensor whose first dimension is ``size`` (in tuples, lists and dicts) is
+        indexed; override when the inputs hold a tensor of that leading size that is not per
+        item (e.g. per-class features when the classes may number ``size``).
+        """
+        return _select(inputs, subset, size)
+
     def model_outputs(self, image: torch.Tensor) -> ModelOutput:
         """Image features, text features and logits of ``image`` (a batch on the device) with
         the current parameters: the one way to read any trainer's model (evaluation code,
@@ -521,14 +563,35 @@ class TrainerX(SimpleTrainer):
         loss, summary = out if isinstance(out, tuple) else (out, {})
         return loss, summary
 
+    def _pass(self, inputs, subset: torch.Tensor | None, size: int):
+        """One pass for the step: ``(loss, recorded outputs or None)`` on the batch or on the
+        items ``subset`` (a smaller batch runs the compiled encoders eagerly)."""
+        self._pass_outputs = None
+        if subset is None:
+            loss, _ = self._loss(inputs)
+        else:
+            with eager() if self.compiled_modules else nullcontext():
+                loss, _ = self._loss(self.select_inputs(inputs, subset, size))
+        return loss, self._pass_outputs
+
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
-        with self.compiled_batch(_batch_len(batch), self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
+        size = _batch_len(batch)
+        with self.compiled_batch(size, self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
             parsed = self.parse_batch_train(batch)
             with torch.no_grad(), self.autocast():
                 inputs = self.prepare_step(parsed)
+            index = batch.get("index") if isinstance(batch, dict) else None
+            if index is not None:
+                index = torch.as_tensor(index).to(self.device, non_blocking=True)
+            step_batch = StepBatch(partial(self._pass, inputs, size=size), index)
+            self.optim_step.begin_step(step_batch, self.epoch)
+            self._pass_outputs = None
             loss, summary = self._loss(inputs)
-            stats = self.optim_step(loss, lambda: self._loss(inputs)[0], self.epoch)
+            step_batch.first = self._pass_outputs
+            stats = self.optim_step(
+                loss, lambda: self._loss(inputs)[0], self.epoch, batch=step_batch
+            )
         self.finite.record(self.epoch, self.batch_idx, loss, summary)
         out = {"loss": loss.detach(), **summary}
         out.update(stats)

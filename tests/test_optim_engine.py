@@ -24,7 +24,7 @@ def test_registry_metadata():
     assert {"sam", "fsam", "sagm", "sample"} <= set(SHARPNESS)
     for name in SHARPNESS:
         spec = OPTIMIZER_REGISTRY.get(name)
-        assert spec.needs_closure and spec.description
+        assert (spec.needs_closure or spec.efficient) and spec.description
         assert spec.test_kwargs, f"{name}: the shared math suite needs its test_kwargs"
         cfg = make_cfg([])
         for h in spec.hparams:  # every hyper-parameter is a config key with its type

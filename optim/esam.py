@@ -1,0 +1,117 @@
+"""ESAM (Du et al., "Efficient Sharpness-aware Minimization for Improved Training of Neural
+Networks", ICLR 2022; code dydjw9/Efficient_SAM).
+
+SAM with two savings (Du et al., Sec. 3 and Alg. 1):
+
+- Stochastic weight perturbation (SWP): only a random subset of the weights is perturbed; each
+  entry is kept with probability ``beta`` and the kept part is scaled by ``1 / beta`` (the
+  authors' code: ``rho / (||g|| + eps) / beta``)::
+
+      m ~ Bernoulli(beta) per entry,   e = rho / beta * (m * g) / (||g|| + 1e-12)
+
+  The authors draw one Bernoulli per *tensor* (a whole tensor is skipped, which saves its
+  backward on a network of many tensors); a prompt learner has one to a few tensors, so this
+  project draws per entry, the paper's definition of SWP (Eq. 5), which saves no backward here.
+- Sharpness-sensitive data selection (SDS): after the move to ``theta + e`` a forward without
+  gradients on the whole batch gives the per-item losses ``l_i(theta + e)``; the second pass
+  (forward and backward) runs only on the ``floor(gamma * B)`` items (at least one) with the
+  largest increase ``l_i(theta + e) - l_i(theta)`` (``l_i(theta)`` from the first pass). With
+  ``gamma = 1`` the second pass is on the whole batch and the extra forward is skipped::
+
+      theta <- base_step(theta, grad L_S+(theta + e)),   S+ = top-gamma items by the increase
+
+Per-item losses are the cross-entropy terms the trainer records
+(``TrainerX.classification_loss``); batch-level regularisers (KgCoOp's, PromptSRC's, CoPrompt's)
+enter the second pass unchanged on the selected items. The selected items keep the batch order
+(ties broken by ``torch.topk``). The random masks come from the optimizer's generator (saved in
+the state dict). Defaults: ``beta = 0.6``, ``gamma = 0.5`` (the authors' CIFAR recipe) and
+``rho = 0.05`` (this project's SAM default). Cost: one full forward/backward, one full forward
+without gradients and a forward/backward on ``gamma`` of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .build import register_optimizer
+from .sharpness import EPS, SharpnessAwareOptimizer, per_group, scaled
+from .step import require_batch
+
+
+class ESAM(SharpnessAwareOptimizer):
+    """ESAM; see the module docstring for the equations.
+
+    Args:
+        params: parameters or param-group dicts.
+        base_optimizer: base optimizer class (default SGD).
+        rho: perturbation radius (>= 0, may be set per param group).
+        beta: probability that an entry is perturbed, in (0, 1].
+        gamma: fraction of the batch in the second pass, in (0, 1].
+        schedule: "constant" or "inv_sqrt" (rho / sqrt(t)).
+        **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
+    """
+
+    VARIANTS = ("paper",)
+    UPDATE = {"paper": "perturbed"}
+
+    def __init__(
+        self,
+        params,
+        base_optimizer=torch.optim.SGD,
+        rho: float = 0.05,
+        beta: float = 0.6,
+        gamma: float = 0.5,
+        schedule: str = "constant",
+        **base_kwargs,
+    ):
+        if not 0 < beta <= 1:
+            raise ValueError(f"Invalid beta: {beta} (the fraction of weights perturbed, in (0, 1])")
+        if not 0 < gamma <= 1:
+            raise ValueError(f"Invalid gamma: {gamma} (the fraction of the batch, in (0, 1])")
+        self.beta, self.gamma = float(beta), float(gamma)
+        super().__init__(params, base_optimizer, dict(rho=rho), schedule=schedule, **base_kwargs)
+
+    def _perturbation(self, fp, g, g_norm, scale):
+        gen = self.generator(g[0].device)
+        masks = [torch.rand(gi.shape, generator=gen, device=gi.device) < self.beta for gi in g]
+        denom = (g_norm + EPS) * self.beta
+        masked = [gi * m for gi, m in zip(g, masks)]
+        fp.stats["perturbed"] = torch.stack([m.sum() for m in masks]).sum().to(g_norm.dtype) / sum(
+            m.numel() for m in masks
+        )
+        return scaled(masked, per_group(fp.groups, lambda gr: gr["rho"] * scale / denom))
+
+    def select(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """The items of the second pass: the ``max(1, floor(gamma * B))`` largest increases
+        ``after - before`` (1-D indices in batch order)."""
+        n = before.numel()
+        k = max(1, int(n * self.gamma))
+        return torch.topk(after - before, k).indices.sort().values
+
+    def second_pass_loss(self, batch, loss_fn):
+        """The loss at ``theta + e`` on the selected items (all of them with ``gamma = 1``)."""
+        if self.gamma >= 1:
+            return loss_fn()
+        batch = require_batch(batch, "ESAM's data selection (OPTIM.SAM.GAMMA < 1)")
+        before = batch.first_outputs("ESAM's data selection").sample_loss()
+        if int(before.numel() * self.gamma) >= before.numel():
+            return batch.loss()
+        after = batch.outputs(who="ESAM's data selection").sample_loss()
+        subset = self.select(before, after)
+        stats = self._pending.stats
+        dtype = stats["grad_norm"].dtype
+        stats["selected"] = torch.tensor(subset.numel() / before.numel(), dtype=dtype)
+        return batch.loss(subset)
+
+
+register_optimizer(
+    "esam",
+    ESAM,
+    "ESAM (Du et al. 2022): SAM with a random subset of weights perturbed and the second pass "
+    "on the batch's sharpest items",
+    kind="sharpness",
+    needs_closure=True,
+    hparams=("RHO", "BETA", "GAMMA", "SCHEDULE"),
+    test_kwargs=dict(rho=0.05, beta=0.6, gamma=0.5),
+    efficient=True,
+)
