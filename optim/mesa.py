@@ -88,7 +88,8 @@ class MESA(TrajectoryOptimizer):
         for p, w in zip(params, ema):
             p.copy_(w)
         try:
-            self._teacher = batch.outputs(who="MESA").logits.detach().float()
+            logits = batch.outputs(who="MESA").logits
+            self._teacher = logits.detach().to(acc_dtype(logits))
         finally:
             torch._foreach_copy_(params, backup)
 

@@ -30,14 +30,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .build import register_optimizer
-from .sharpness import SharpnessAwareOptimizer, global_norm
+from .sharpness import SharpnessAwareOptimizer, acc_dtype, global_norm
 from .step import require_batch
 
 
 def trajectory_kl(logits: Tensor, target_logits: Tensor, tau: float) -> Tensor:
     """Per item ``tau^2 * KL(softmax(target / tau) || softmax(logits / tau))`` (fp32 at least)."""
-    log_q = F.log_softmax(logits.float() / tau, dim=-1)
-    log_p = F.log_softmax(target_logits.float() / tau, dim=-1)
+    dtype = torch.promote_types(acc_dtype(logits), target_logits.dtype)
+    log_q = F.log_softmax(logits.to(dtype) / tau, dim=-1)
+    log_p = F.log_softmax(target_logits.to(dtype) / tau, dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1) * (tau * tau)
 
 
@@ -137,11 +138,11 @@ class SAF(TrajectoryOptimizer):
         self.records: Tensor | None = None  # [items, E + 1, classes] logits (fp32)
         self.record_epoch: Tensor | None = None  # [items, E + 1] epoch of each record, -1: none
 
-    def _slots(self, size: int, n_cls: int, device) -> None:
+    def _slots(self, size: int, n_cls: int, device, dtype) -> None:
         """Grow the record store to ``size`` items (a new store for a new number of classes)."""
         e1 = self.epochs_back + 1
         if self.records is None or self.records.shape[2] != n_cls:
-            self.records = torch.zeros(0, e1, n_cls, device=device)
+            self.records = torch.zeros(0, e1, n_cls, device=device, dtype=dtype)
             self.record_epoch = torch.zeros(0, e1, dtype=torch.long, device=device)
         have = self.records.shape[0]
         if size > have:
@@ -154,18 +155,19 @@ class SAF(TrajectoryOptimizer):
         batch = require_batch(batch, "SAF")
         logits = batch.first_outputs("SAF").logits
         index = batch.require_index("SAF").to(logits.device)
-        self._slots(int(index.max()) + 1, logits.shape[-1], logits.device)
+        self._slots(int(index.max()) + 1, logits.shape[-1], logits.device, acc_dtype(logits))
         e1 = self.epochs_back + 1
         slot = epoch % e1
-        self.records[index, slot] = logits.detach().float()
+        self.records[index, slot] = logits.detach().to(self.records.dtype)
         self.record_epoch[index, slot] = epoch
         past = epoch - self.epochs_back
         if epoch < self.start_epoch or past < 0:
             return None
-        valid = (self.record_epoch[index, past % e1] == past).float()
+        valid = (self.record_epoch[index, past % e1] == past).to(self.records.dtype)
         return self._term(logits, self.records[index, past % e1], valid)
 
     def _extra_state(self):
+        """The recorded logits and the epoch of each record."""
         if self.records is None:
             return None
         return {"records": self.records, "record_epoch": self.record_epoch}

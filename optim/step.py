@@ -66,7 +66,9 @@ class PassOutputs(NamedTuple):
 
     def sample_loss(self) -> Tensor:
         """Per-item cross-entropy ``[batch]`` (fp32 at least, no graph)."""
-        return F.cross_entropy(self.logits.detach().float(), self.label, reduction="none")
+        logits = self.logits.detach()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, self.label, reduction="none")
 
 
 NO_OUTPUTS = (
