@@ -47,6 +47,7 @@ from optim.step import PassOutputs, StepBatch, build_step
 
 from .checkpoint import CheckpointMixin
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
+from .cost import RunCost
 from .data import DataManager
 from .errors import ConfigError
 from .evaluation import EvaluationMixin, compute_dtype
@@ -452,9 +453,11 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             keep = partial(_scalar_row_before, start_iter=start_iter, start_epoch=self.start_epoch)
         self.writer.open(self.output_dir, osp.join(self.output_dir, "tensorboard"), keep=keep)
         self.time_start = time.time()
+        self.cost = RunCost(self.device, self.output_dir, self._cost_meta(), self.start_epoch > 0)
 
     def after_train(self):
         logger.info("Finish training")
+        self.log_cost()
         do_test = not self.cfg.TEST.NO_TEST
         if do_test:
             if self.cfg.TEST.FINAL_MODEL == "best_val":
@@ -466,6 +469,35 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         clear_divergence(self.output_dir)  # finished: a diverged-and-resumed run recovered
         elapsed = str(datetime.timedelta(seconds=round(time.time() - self.time_start)))
         logger.info("Elapsed: %s", elapsed)
+
+    def _cost_meta(self) -> dict:
+        """What ``cost.json`` says the run is (engine.cost)."""
+        optim = self.cfg.OPTIM
+        return {
+            "optimizer": optim.SAM.NAME or optim.NAME,
+            "base_optimizer": optim.NAME,
+            "every": optim.SAM.get("EVERY", 0),
+            "trainer": self.cfg.TRAINER.NAME,
+            "device": self.device.type,
+            "precision": self.prec,
+            "batch_size": self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+        }
+
+    def log_cost(self) -> None:
+        """Log the run's training cost (``cost.json``, written after every epoch)."""
+        cost = getattr(self, "cost", None)
+        if cost is None or not cost.steps:
+            return
+        out = cost.summary()
+        cuda = out["peak_cuda_mb"]
+        logger.info(
+            "Training cost: %d steps, %.1f s (%.4f s per step), peak CPU RSS %.0f MiB%s",
+            out["steps"],
+            out["train_time_s"],
+            out["mean_step_s"],
+            out["peak_cpu_rss_mb"],
+            "" if cuda is None else f", peak CUDA {cuda:.0f} MiB",
+        )
 
     def on_divergence(self, error: FloatingPointError) -> None:
         """Write ``diverged.json`` (epoch, batch, message): a re-run into this folder then
@@ -615,6 +647,9 @@ class TrainerX(SimpleTrainer):
         data_time = AverageMeter()
         self.num_batches = len(self.train_loader_x)
         print_freq = self.cfg.TRAIN.PRINT_FREQ
+        cost = getattr(self, "cost", None)
+        if cost is not None:
+            cost.start_epoch(self.epoch)
         end = time.time()
         for self.batch_idx, batch in enumerate(self.train_loader_x):  # noqa: B020
             data_time.update(time.time() - end)
@@ -643,6 +678,8 @@ class TrainerX(SimpleTrainer):
             if self.optim_step.lr_step_per_batch(self.epoch):
                 self.update_lr()  # the released SAMPLe trainers' per-batch step (besides below)
             end = time.time()
+        if cost is not None:
+            cost.end_epoch(self.epoch, self.num_batches)
         self._check_finite()
         self.flush_scalars()
         self.update_lr()

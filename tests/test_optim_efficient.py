@@ -469,3 +469,38 @@ def test_trainer_resume_is_bit_identical(name, tmp_path, dtd_root, tiny_clip_opt
     assert all(torch.equal(a[k], b[k]) for k in a)
     if name == "saf":
         assert torch.equal(full.optim.records, resumed.optim.records)
+    # every run records its cost (engine.cost); a resumed one adds its segment
+    from engine.cost import read_cost
+
+    a, b = read_cost(full.output_dir), read_cost(resumed.output_dir)
+    n = len(full.train_loader_x)
+    assert a["optimizer"] == name and a["steps"] == 3 * n and a["device"] == "cpu"
+    assert a["train_time_s"] > 0 and a["mean_step_s"] == a["train_time_s"] / a["steps"]
+    assert a["peak_cpu_rss_mb"] > 10 and a["peak_cuda_mb"] is None
+    assert [s["epochs"] for s in b["segments"]] == [[0, 1], [2, 2]] and b["steps"] == 3 * n
+    assert b["train_time_s"] == sum(s["train_time_s"] for s in b["segments"])
+
+
+def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
+    import glob
+    import os.path as osp
+
+    from conftest import ROOT, make_cfg
+
+    folders = sorted(glob.glob(osp.join(ROOT, "configs", "optim", "*", "sam.yaml")))
+    assert len(folders) >= 8
+    for sam in folders:
+        folder = osp.dirname(sam)
+        rho = make_cfg(["--optim-config-file", sam]).OPTIM.SAM.RHO
+        for name in [*NAMES, "sample_k5"]:
+            cfg = make_cfg(["--optim-config-file", osp.join(folder, f"{name}.yaml")]).OPTIM.SAM
+            assert cfg.NAME == ("sample" if name == "sample_k5" else name)
+            if name in ("looksam", "esam"):  # the trainer's SAM radius
+                assert cfg.RHO == rho
+            if name in ("looksam", "sample_k5"):
+                assert (cfg.EVERY, cfg.LOOK_ALPHA) == (5, 0.7)
+            if name == "saf":
+                assert (cfg.TRAJ_WEIGHT, cfg.TEMPERATURE) == (0.3, 5.0)
+                assert 1 <= cfg.EPOCHS_BACK <= cfg.TRAJ_START
+            if name == "mesa":
+                assert (cfg.TRAJ_WEIGHT, cfg.EMA_DECAY) == (0.8, 0.9998)
