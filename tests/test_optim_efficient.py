@@ -504,3 +504,32 @@ def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
                 assert 1 <= cfg.EPOCHS_BACK <= cfg.TRAJ_START
             if name == "mesa":
                 assert (cfg.TRAJ_WEIGHT, cfg.EMA_DECAY) == (0.8, 0.9998)
+
+
+def test_grid_runs_every_efficient_optimizer(tmp_path):
+    from tools import grid
+    from tools.protocols import Setup
+
+    grids = grid.select("efficient-base2new", trainers=["CoOp"], datasets=["dtd"], seeds=[1])
+    chains = grid.expand(grids, Setup(output=str(tmp_path)))
+    files = {c.train.optim_file for c in chains}
+    for name in [*NAMES, "sample_k5"]:
+        assert f"configs/optim/CoOp/{name}.yaml" in files
+    assert (
+        grid.main(
+            [
+                "--trainers",
+                "CoOp",
+                "--optims",
+                *NAMES,
+                "--dry-run",
+                "--datasets",
+                "dtd",
+                "--seeds",
+                "1",
+                "--output",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
