@@ -17,6 +17,7 @@ Usage::
     python tools/benchmark.py --device cuda --json out.json   # full size (a few minutes on a GPU)
     python tools/benchmark.py --small                          # reduced width, CPU, ~1 minute
     python tools/benchmark.py --device cpu --optims sgd,sample # full size on CPU (~20 minutes)
+    python tools/benchmark.py --efficient --small --json e.json  # LookSAM, ESAM, SAF, ... vs SGD
 
 ``--json FILE`` writes the ratios of the issue's targets (``TARGETS``), a ``rows`` list (one
 entry per trainer x optimizer x precision) and a ``device`` string; it is rewritten after every
@@ -1256,6 +1257,136 @@ def print_run_costs(result: dict) -> None:
     )
 
 
+# -- the cheaper sharpness-aware optimizers: step cost relative to SGD (--efficient) ------------
+# docs/efficient-sharpness.md. Every optimizer below is timed against the trainer's SGD step in
+# one process, interleaved (Timer.measure), on the trainer's base-to-new config (its published
+# batch) with its configs/optim/<trainer>/<name>.yaml. A timed call is EFFICIENT_STEPS_PER_CALL
+# consecutive steps (one period of the k = 5 lookahead, so LookSAM and SAMPLe-k5 are timed over
+# their ascent and the steps between); SAF/MESA's trajectory term is on from the first step
+# (OPTIM.SAM.TRAJ_START 0; SAF at an epoch with records E epochs back: the KL is computed).
+EFFICIENT_OPTIMIZERS = (
+    "sgd",
+    "sam",
+    "sample",
+    "looksam",
+    "sample_k5",
+    "esam",
+    "rwp",
+    "mrwp",
+    "saf",
+    "mesa",
+)
+EFFICIENT_TRAINERS = ("CoOp", "CoCoOp", "MaPLe")
+EFFICIENT_STEPS_PER_CALL = 5
+EFFICIENT_CLASSES = 50  # base half of a typical dataset, whatever --small
+# the issue's targets on CPU, CoOp at its published batch: step / SGD step <= bound
+EFFICIENT_TARGETS = {
+    "looksam": 1.3,
+    "sample_k5": 1.3,
+    "saf": 1.15,
+    "mesa": 1.15,
+    "rwp": 1.15,
+    "esam": 1.6,
+}
+
+
+def efficient_steps_fn(tr, batch, last: dict, n: int) -> Callable[[], None]:
+    """``n`` consecutive training steps of ``tr`` on ``batch`` (one timed call)."""
+
+    def run():
+        for _ in range(n):
+            last["out"] = tr.forward_backward(batch)
+            tr.batch_idx += 1
+
+    return run
+
+
+def efficient_costs_of(trainer: str, s: Settings, timer: Timer, tmp: str) -> list[dict]:
+    """The rows of one trainer: each optimizer's step against the SGD step, interleaved."""
+    names = class_names(EFFICIENT_CLASSES)
+    fns, built, last = {}, [], {}
+    for optim_name in EFFICIENT_OPTIMIZERS:
+        out = osp.join(tmp, "out", "efficient", trainer, optim_name)
+        cfg = bench_cfg(trainer, optim_name, s, None, out, "OPTIM.SAM.TRAJ_START", "0")
+        tr = build(cfg, names)
+        if optim_name == "saf":  # records from E epochs back exist: the KL term is computed
+            tr.epoch = max(tr.epoch, cfg.OPTIM.SAM.EPOCHS_BACK)
+        batch = synthetic_batch(cfg, len(names), s.device)
+        batch["index"] = torch.arange(len(batch["label"]))  # SAF keys its records by item
+        fns[optim_name] = efficient_steps_fn(tr, batch, last, EFFICIENT_STEPS_PER_CALL)
+        built.append((optim_name, cfg, tr))
+    times = timer.measure(fns)
+    release(*(tr for _, _, tr in built))
+    sgd = times["sgd"].seconds
+    rows = []
+    for optim_name, cfg, tr in built:
+        ratio = times[optim_name].seconds / sgd
+        bound = EFFICIENT_TARGETS.get(optim_name) if trainer == "CoOp" else None
+        rows.append(
+            {
+                "trainer": trainer,
+                "optimizer": optim_name,
+                "base_optimizer": cfg.OPTIM.NAME,
+                "prec": tr.prec,
+                "batch": cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+                "classes": len(names),
+                "step_ms": 1e3 * times[optim_name].seconds / EFFICIENT_STEPS_PER_CALL,
+                "ratio_vs_sgd": ratio,
+                "target": bound,
+                "meets_target": None if bound is None else ratio <= bound,
+                "timed_calls": times[optim_name].calls,
+            }
+        )
+    logger.info(
+        "%s: %s",
+        trainer,
+        ", ".join(f"{r['optimizer']} {r['ratio_vs_sgd']:.2f}x" for r in rows),
+    )
+    return rows
+
+
+def efficient_costs(args) -> dict:
+    """``--efficient``: the step cost of every cheaper optimizer relative to SGD per trainer."""
+    import trainers  # noqa: F401
+
+    tmp = tempfile.mkdtemp(prefix="sample-pl-bench-")
+    try:
+        s = make_settings(args, tmp)
+        settle = CHECKED_CALLS if resolve_compile(s.compile, s.device) else 0
+        timer = Timer(s.device, s.warmup, s.steps, max(s.budget_s, 300.0), settle)
+        result = {
+            "device": device_description(s.device),
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "small_clip": s.small,
+            "steps_per_call": EFFICIENT_STEPS_PER_CALL,
+            "targets": {k: f"CoOp step / SGD step <= {v}" for k, v in EFFICIENT_TARGETS.items()},
+            "rows": [],
+        }
+        for trainer in args.efficient_trainers.split(","):
+            result["rows"] += efficient_costs_of(trainer, s, timer, tmp)
+            if args.json:
+                write_json(args.json, result)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def print_efficient_costs(result: dict) -> None:
+    print(
+        f"\nStep cost relative to SGD ({result['device']}; a timed call = "
+        f"{result['steps_per_call']} steps, median)"
+    )
+    print(f"{'trainer':<8} {'optimizer':<10} {'batch':>5} {'step ms':>9} {'x SGD':>6}  target")
+    for r in result["rows"]:
+        target = "" if r["target"] is None else f"<= {r['target']}"
+        status = "" if r["meets_target"] is None else (" met" if r["meets_target"] else " MISSED")
+        print(
+            f"{r['trainer']:<8} {r['optimizer']:<10} {r['batch']:>5} {r['step_ms']:>9.1f} "
+            f"{r['ratio_vs_sgd']:>6.2f}  {target}{status}"
+        )
+
+
 def write_json(path: str, result: dict) -> None:
     os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -1305,6 +1436,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the project's step eagerly)",
     )
     parser.add_argument("--verbose", action="store_true", help="the engine's INFO messages too")
+    eff = parser.add_argument_group("cheaper sharpness-aware optimizers (--efficient)")
+    eff.add_argument(
+        "--efficient",
+        action="store_true",
+        help="measure instead the step of LookSAM, SAMPLe-k5, ESAM, RWP, m-RWP, SAF, MESA (and "
+        "SAM, SAMPLe) relative to the SGD step, interleaved in one process "
+        "(docs/efficient-sharpness.md)",
+    )
+    eff.add_argument(
+        "--efficient-trainers",
+        default=",".join(EFFICIENT_TRAINERS),
+        help="comma-separated (default CoOp,CoCoOp,MaPLe)",
+    )
     runs = parser.add_argument_group("whole runs (--runs)")
     runs.add_argument(
         "--runs",
@@ -1347,6 +1491,13 @@ def main(argv=None) -> int:
     if args.device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    if args.efficient:
+        result = efficient_costs(args)
+        print_efficient_costs(result)
+        print(f"\nTotal time: {time.perf_counter() - t0:.0f} s")
+        if args.json:
+            write_json(args.json, result)
+        return 0
     result, failed = run(args)
     print_report(result)
     print(f"\nTotal time: {time.perf_counter() - t0:.0f} s")

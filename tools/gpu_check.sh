@@ -1,6 +1,7 @@
 #!/bin/bash
-# The GPU measurements of issue 12 as one prepared script for a lent device (about 9.5 minutes on
-# an H100/H200; every part has its own time limit, so a slow part cannot starve the others).
+# The GPU measurements of issues 12 and 22 as one prepared script for a lent device (about 12
+# minutes on an H100/H200; every part has its own time limit, so a slow part cannot starve the
+# others).
 #
 # Prepare on the CPU machine (the device has torch but not these packages):
 #   pip download --no-deps -d wheels open-clip-torch==3.3.0 yacs==0.1.8 ftfy wcwidth tabulate
@@ -12,6 +13,9 @@
 #                    compilation seconds; evaluation; loader images/s vs the step's demand
 #   runs.json/.log   tools/benchmark.py --runs --device cuda: fixed cost per run (process and
 #                    in-process), runs/hour with 1, 2, 4, 8 workers, the paper-grid GPU-hours
+#   efficient.json/.log  tools/benchmark.py --efficient --device cuda: the step of LookSAM,
+#                    SAMPLe-k5, ESAM, RWP, m-RWP, SAF, MESA (and SAM, SAMPLe) relative to SGD for
+#                    CoOp, CoCoOp, MaPLe, eager (EFFICIENT_LIMIT s, default 150; EFFICIENT=0 skips)
 #   nvidia-smi.txt
 # GPU_CHECK_SMALL=1 runs the same sequence on CPU with --small and tiny runs (a smoke test).
 set -u
@@ -23,9 +27,11 @@ if compgen -G "wheels/*.whl" >/dev/null; then
 fi
 if [[ ${GPU_CHECK_SMALL:-0} == 1 ]]; then
   STEPS=(--small --device cpu --steps 1 --warmup 0 --compile aot_eager)
+  EFF=(--small --device cpu --steps 1 --warmup 0)
   RUNS=(--device cpu --run-epochs 1 --run-repeats 1 --run-workers 1 --packed-runs 2)
 else
   STEPS=(--device cuda)
+  EFF=(--device cuda --steps 5 --warmup 1 --compile off)
   RUNS=(--device cuda --run-workers 1,2,4,8)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 fi
@@ -46,4 +52,10 @@ EOF
 timeout "${RUNS_LIMIT:-200}" $PY tools/benchmark.py --runs "${RUNS[@]}" ${STEP_MS:+--step-ms $STEP_MS} \
   --json "$OUT/runs.json" > "$OUT/runs.log" 2>&1
 echo "runs: exit $?"
+if [[ ${EFFICIENT:-1} == 1 ]]; then
+  timeout "${EFFICIENT_LIMIT:-150}" $PY tools/benchmark.py --efficient "${EFF[@]}" \
+    --efficient-trainers CoOp,CoCoOp,MaPLe --json "$OUT/efficient.json" > "$OUT/efficient.log" 2>&1
+  echo "efficient: exit $?"
+fi
 tail -n 30 "$OUT/steps.log" "$OUT/runs.log"
+if [[ ${EFFICIENT:-1} == 1 ]]; then tail -n 35 "$OUT/efficient.log"; fi
