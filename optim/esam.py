@@ -26,7 +26,9 @@ enter the second pass unchanged on the selected items. The selected items keep t
 (ties broken by ``torch.topk``). The random masks come from the optimizer's generator (saved in
 the state dict). Defaults: ``beta = 0.6``, ``gamma = 0.5`` (the authors' CIFAR recipe) and
 ``rho = 0.05`` (this project's SAM default). Cost: one full forward/backward, one full forward
-without gradients and a forward/backward on ``gamma`` of the batch.
+without gradients and a forward/backward on ``gamma`` of the batch. The selection needs the
+step's batch (:class:`optim.step.StepBatch`, given by the engine's step object); through
+``step(closure)`` the closure's loss is the second pass (no selection).
 """
 
 from __future__ import annotations

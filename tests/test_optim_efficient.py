@@ -533,3 +533,17 @@ def test_grid_runs_every_efficient_optimizer(tmp_path):
         )
         == 0
     )
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("EVERY", "-1"), ("BETA", "0.0"), ("GAMMA", "1.5"), ("MIX", "-0.1"), ("EPOCHS_BACK", "0")],
+)
+def test_bad_config_values_name_the_key(key, value):
+    from conftest import make_cfg
+
+    from engine.errors import ConfigError
+    from engine.validate import validate_cfg
+
+    with pytest.raises(ConfigError, match=f"OPTIM.SAM.{key} must be"):
+        validate_cfg(make_cfg([f"OPTIM.SAM.{key}", value]))

@@ -330,7 +330,8 @@ def test_coop_train_py_with_each_optimizer(tmp_path, dtd_root, tiny_clip_opts, n
         ]
     )
     log = open(osp.join(out, "log.txt")).read()
-    assert f"Optimizer: {name}(sgd)" in log and "cos_g_gp" in log
+    two_pass = OPTIMIZER_REGISTRY.get(name).needs_closure  # one-pass ones log no cos_g_gp
+    assert f"Optimizer: {name}(sgd)" in log and ("cos_g_gp" if two_pass else "grad_norm") in log
     assert re.search(r"\* accuracy: [\d.]+%", log[log.index("Finish training") :])
     sd = torch.load(osp.join(out, "prompt_learner", "model.pth.tar-2"), weights_only=True)
     assert sd["optimizer"]["sharpness"]["num_steps"] > 0
