@@ -96,8 +96,8 @@ class ESAM(SharpnessAwareOptimizer):
             return loss_fn()
         batch = require_batch(batch, "ESAM's data selection (OPTIM.SAM.GAMMA < 1)")
         before = batch.first_outputs("ESAM's data selection").sample_loss()
-        if int(before.numel() * self.gamma) >= before.numel():
-            return batch.loss()
+        if max(1, int(before.numel() * self.gamma)) >= before.numel():
+            return batch.loss()  # every item selected (e.g. a batch of 1): no extra forward
         after = batch.outputs(who="ESAM's data selection").sample_loss()
         subset = self.select(before, after)
         stats = self._pending.stats

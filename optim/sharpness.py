@@ -58,7 +58,7 @@ or "mean"; SAGM and SAMPLe only) and ``schedule`` ("constant" or "inv_sqrt":
 ``rho_t = rho / sqrt(t)`` and ``alpha_t = alpha / sqrt(t)``, t = 1, 2, ... this optimizer's
 steps, as in the SAMPLe paper's convergence theorem) are global.
 
-Cheaper members of the family (docs/efficient-sharpness.md) use three more hooks, which the step
+Cheaper members of the family (docs/efficient-sharpness.md) use these hooks, which the step
 object (:mod:`optim.step`) calls on every sharpness-aware optimizer (no-ops here):
 
 - :meth:`~SharpnessAwareOptimizer.second_pass_due`: whether this step takes the second pass.
