@@ -597,13 +597,15 @@ class TrainerX(SimpleTrainer):
 
     def _pass(self, inputs, subset: torch.Tensor | None, size: int):
         """One pass for the step: ``(loss, recorded outputs or None)`` on the batch or on the
-        items ``subset`` (a smaller batch runs the compiled encoders eagerly)."""
+        items ``subset``. A smaller batch, and a pass without gradients (an optimizer's look at
+        the outputs), run the compiled encoders eagerly: the compiled graphs are the training
+        pass's."""
         self._pass_outputs = None
-        if subset is None:
+        if subset is not None:
+            inputs = self.select_inputs(inputs, subset, size)
+        other = subset is not None or not torch.is_grad_enabled()
+        with eager() if other and self.compiled_modules else nullcontext():
             loss, _ = self._loss(inputs)
-        else:
-            with eager() if self.compiled_modules else nullcontext():
-                loss, _ = self._loss(self.select_inputs(inputs, subset, size))
         return loss, self._pass_outputs
 
     def forward_backward(self, batch) -> dict:

@@ -547,3 +547,28 @@ def test_bad_config_values_name_the_key(key, value):
 
     with pytest.raises(ConfigError, match=f"OPTIM.SAM.{key} must be"):
         validate_cfg(make_cfg([f"OPTIM.SAM.{key}", value]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["esam", "mesa", "rwp", "looksam"])
+def test_compiled_steps_match_eager(name, tmp_path, dtd_root, deep_opts):
+    """The optimizers' extra passes (a subset, a pass without gradients, weights perturbed
+    before the forward) with compiled encoders (aot_eager): the same steps as eagerly, and no
+    new graph after the first step."""
+    from test_compile import assert_compiled_and_used, learnable, train_steps, trainer_cfg
+
+    from engine import build_trainer
+
+    results = {}
+    for mode in ("off", "aot_eager"):
+        cfg = trainer_cfg("MaPLe", tmp_path / mode, dtd_root, deep_opts, mode, name)
+        tr = build_trainer(cfg)
+        losses = train_steps(tr)
+        if mode != "off":
+            assert_compiled_and_used(tr)
+        results[mode] = (losses, learnable(tr))
+        tr.close_writer()
+    (l1, p1), (l2, p2) = results["off"], results["aot_eager"]
+    assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6)
+    for x, y in zip(p1, p2, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
