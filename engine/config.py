@@ -176,6 +176,10 @@ _C.OPTIM.SAM.EVERY = 0
 _C.OPTIM.SAM.LOOK_ALPHA = 0.7  # scale of the reused orthogonal component (LookSAM's alpha)
 _C.OPTIM.SAM.BETA = 0.6  # esam: fraction of the weights perturbed (SWP), in (0, 1]
 _C.OPTIM.SAM.GAMMA = 0.5  # esam: fraction of the batch in the second pass (SDS), in (0, 1]
+# esam: the selected pass: subset (the authors': a forward without gradients on the batch, then
+# forward + backward on the selected items) | masked (one forward with gradients on the batch,
+# backward of the selected items' loss: cheaper when the work does not grow with the items, CoOp)
+_C.OPTIM.SAM.SELECT_PASS = "subset"
 _C.OPTIM.SAM.NOISE = 0.01  # rwp/mrwp: Gaussian noise std per filter, relative to its L2 norm
 _C.OPTIM.SAM.MIX = 0.5  # mrwp: update = MIX * g(w + noise) + (1 - MIX) * g(w)
 _C.OPTIM.SAM.TRAJ_WEIGHT = -1.0  # saf/mesa: weight lambda of the KL term; < 0: saf 0.3, mesa 0.8

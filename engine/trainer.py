@@ -567,8 +567,9 @@ class TrainerX(SimpleTrainer):
         (:class:`optim.step.PassOutputs`: per-item losses, the outputs of SAF/MESA); every
         trainer computes its classification loss through it.
         """
-        self._pass_outputs = PassOutputs(logits, label)
-        return F.cross_entropy(logits.float(), label)
+        ce = F.cross_entropy(logits.float(), label)
+        self._pass_outputs = PassOutputs(logits, label, ce)
+        return ce
 
     def select_inputs(self, inputs, subset: torch.Tensor, size: int):
         """The prepared inputs of the items ``subset`` (1-D indices) of a batch of ``size``.

@@ -55,6 +55,7 @@ def _choices() -> tuple:
         ("OPTIM.WARMUP_TYPE", ("constant", "linear")),
         ("OPTIM.SAM.VARIANT", VARIANTS),
         ("OPTIM.SAM.SCHEDULE", SCHEDULES),
+        ("OPTIM.SAM.SELECT_PASS", ("subset", "masked")),
         ("TEST.FINAL_MODEL", ("last_step", "best_val")),
         ("TEST.SPLIT", ("test", "val")),
     )

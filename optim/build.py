@@ -72,6 +72,7 @@ SAM_HPARAMS = {
         HParam("LOOK_ALPHA", "look_alpha", 0.7, "LookSAM scale of the reused direction g_v"),
         HParam("BETA", "beta", 0.6, "ESAM fraction of the weights perturbed"),
         HParam("GAMMA", "gamma", 0.5, "ESAM fraction of the batch in the second pass"),
+        HParam("SELECT_PASS", "select_pass", "subset", "ESAM selected pass: subset | masked"),
         HParam("NOISE", "noise", 0.01, "RWP/m-RWP noise scale (relative to the filter norm)"),
         HParam("MIX", "mix", 0.5, "m-RWP weight of the perturbed gradient"),
         HParam("TRAJ_WEIGHT", "weight", -1.0, "SAF/MESA trajectory-loss weight (< 0: own)"),

@@ -20,6 +20,19 @@ SAM with two savings (Du et al., Sec. 3 and Alg. 1):
 
       theta <- base_step(theta, grad L_S+(theta + e)),   S+ = top-gamma items by the increase
 
+Two schedules of the selected pass give the same update (``select_pass``,
+``OPTIM.SAM.SELECT_PASS``):
+
+- "subset" (the authors'): a forward without gradients on the batch for ``l_i(theta + e)``, then
+  a forward and backward on the selected items. Cheaper where a step's work grows with the
+  items (CoCoOp's per-image prompts, the prompted image encoders of MaPLe, IVLP, PromptSRC,
+  CoPrompt).
+- "masked": one forward with gradients on the batch gives ``l_i(theta + e)``; the backward is
+  of the trainer's loss with its cross-entropy replaced by the mean over the selected items,
+  ``L - CE + mean_{S+} l_i``. Cheaper where the work does not grow with the items (CoOp, KgCoOp,
+  TCP: the class prompts go through the text encoder whatever the batch), where "subset" would
+  cost a forward more than SAM.
+
 Per-item losses are the cross-entropy terms the trainer records
 (``TrainerX.classification_loss``); batch-level regularisers (KgCoOp's, PromptSRC's, CoPrompt's)
 enter the second pass unchanged on the selected items. The selected items keep the batch order
@@ -36,8 +49,9 @@ from __future__ import annotations
 import torch
 
 from .build import register_optimizer
+from .errors import OptimConfigError
 from .sharpness import EPS, SharpnessAwareOptimizer, per_group, scaled
-from .step import require_batch
+from .step import NO_OUTPUTS, require_batch
 
 
 class ESAM(SharpnessAwareOptimizer):
@@ -49,12 +63,14 @@ class ESAM(SharpnessAwareOptimizer):
         rho: perturbation radius (>= 0, may be set per param group).
         beta: probability that an entry is perturbed, in (0, 1].
         gamma: fraction of the batch in the second pass, in (0, 1].
+        select_pass: "subset" or "masked" (the schedule of the selected pass, module docstring).
         schedule: "constant" or "inv_sqrt" (rho / sqrt(t)).
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
     VARIANTS = ("paper",)
     UPDATE = {"paper": "perturbed"}
+    SELECT_PASSES = ("subset", "masked")
 
     def __init__(
         self,
@@ -63,9 +79,15 @@ class ESAM(SharpnessAwareOptimizer):
         rho: float = 0.05,
         beta: float = 0.6,
         gamma: float = 0.5,
+        select_pass: str = "subset",
         schedule: str = "constant",
         **base_kwargs,
     ):
+        if select_pass not in self.SELECT_PASSES:
+            raise ValueError(
+                f"Invalid select_pass: {select_pass!r} (one of {', '.join(self.SELECT_PASSES)})"
+            )
+        self.select_pass = select_pass
         if not 0 < beta <= 1:
             raise ValueError(f"Invalid beta: {beta} (the fraction of weights perturbed, in (0, 1])")
         if not 0 < gamma <= 1:
@@ -98,12 +120,20 @@ class ESAM(SharpnessAwareOptimizer):
         before = batch.first_outputs("ESAM's data selection").sample_loss()
         if max(1, int(before.numel() * self.gamma)) >= before.numel():
             return batch.loss()  # every item selected (e.g. a batch of 1): no extra forward
-        after = batch.outputs(who="ESAM's data selection").sample_loss()
-        subset = self.select(before, after)
         stats = self._pending.stats
-        dtype = stats["grad_norm"].dtype
-        stats["selected"] = torch.tensor(subset.numel() / before.numel(), dtype=dtype)
-        return batch.loss(subset)
+        stats["selected"] = torch.tensor(
+            max(1, int(before.numel() * self.gamma)) / before.numel(),
+            dtype=stats["grad_norm"].dtype,
+        )
+        if self.select_pass == "subset":
+            after = batch.outputs(who="ESAM's data selection").sample_loss()
+            return batch.loss(self.select(before, after))
+        loss, out = batch.forward(None)  # with gradients, on the whole batch
+        if out is None or out.ce is None:
+            raise OptimConfigError(f"ESAM's masked selection {NO_OUTPUTS}")
+        items = out.sample_loss(graph=True)
+        subset = self.select(before, items.detach())
+        return loss - out.ce + items[subset].mean()
 
 
 register_optimizer(
@@ -113,7 +143,7 @@ register_optimizer(
     "on the batch's sharpest items",
     kind="sharpness",
     needs_closure=True,
-    hparams=("RHO", "BETA", "GAMMA", "SCHEDULE"),
+    hparams=("RHO", "BETA", "GAMMA", "SELECT_PASS", "SCHEDULE"),
     test_kwargs=dict(rho=0.05, beta=0.6, gamma=0.5),
     efficient=True,
 )

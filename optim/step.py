@@ -59,14 +59,16 @@ class PassOutputs(NamedTuple):
     Attributes:
         logits: ``[batch, n_cls]`` (with the pass's graph when it ran with gradients).
         label: ``[batch]`` class indices.
+        ce: the mean cross-entropy the trainer's loss contains (the tensor it added), or None.
     """
 
     logits: Tensor
     label: Tensor
+    ce: Tensor | None = None
 
-    def sample_loss(self) -> Tensor:
-        """Per-item cross-entropy ``[batch]`` (fp32 at least, no graph)."""
-        logits = self.logits.detach()
+    def sample_loss(self, graph: bool = False) -> Tensor:
+        """Per-item cross-entropy ``[batch]`` (fp32 at least; with the pass's graph if asked)."""
+        logits = self.logits if graph else self.logits.detach()
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits, self.label, reduction="none")
 

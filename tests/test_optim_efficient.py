@@ -34,6 +34,7 @@ HP = {  # hyper-parameters of the hand computations (LookSAM and SAMPLe-k with s
     "looksam": dict(rho=0.3, every=3, look_alpha=0.7),
     "sample-k": dict(rho=0.3, alpha=0.05, lam=0.5, every=2, look_alpha=0.6),
     "esam": dict(rho=0.3, beta=0.6, gamma=0.5),
+    "esam-masked": dict(rho=0.3, beta=0.6, gamma=0.5, select_pass="masked"),
     "rwp": dict(noise=0.2),
     "mrwp": dict(noise=0.2, mix=0.7),
     "saf": dict(weight=0.3, temperature=2.0, start_epoch=1, epochs_back=1),
@@ -62,7 +63,8 @@ class Problem:
         if torch.is_grad_enabled():
             self.passes.append(items.tolist())
         logits = self.x[items] @ self.W.T + self.b
-        return F.cross_entropy(logits, self.y[items]), PassOutputs(logits, self.y[items])
+        loss = F.cross_entropy(logits, self.y[items])
+        return loss, PassOutputs(logits, self.y[items], loss)
 
     def step(self, step: OptimizerStep, t: int) -> dict:
         """Step ``t`` (= its epoch) as the engine takes it."""
@@ -74,7 +76,7 @@ class Problem:
 
 
 def build(name: str, prob: Problem, momentum: float = 0.0):
-    spec = OPTIMIZER_REGISTRY.get("sample" if name == "sample-k" else name)
+    spec = OPTIMIZER_REGISTRY.get({"sample-k": "sample", "esam-masked": "esam"}.get(name, name))
     return spec.cls(prob.params, lr=LR, momentum=momentum, **HP[name])
 
 
@@ -159,7 +161,7 @@ def hand(name: str, steps: int) -> list[list[torch.Tensor]]:
             else:
                 g_p = axpy(g, g_v, hp["look_alpha"] * n / norm(g_v))
             u = g_p if name == "looksam" else axpy(g, g_p)  # SAMPLe paper: g + g_p
-        elif name == "esam":
+        elif name in ("esam", "esam-masked"):
             g = grad(th, items)
             masks = [torch.rand(x.shape, generator=gen) < hp["beta"] for x in th]
             e = [hp["rho"] / hp["beta"] * mk * gi / (norm(g) + 1e-12) for mk, gi in zip(masks, g)]
@@ -229,7 +231,7 @@ def test_every_efficient_optimizer_has_a_hand_derivation():
         assert spec.kind == "sharpness" and spec.test_kwargs and spec.description
 
 
-@pytest.mark.parametrize("name", [*NAMES, "sample-k"])
+@pytest.mark.parametrize("name", [*NAMES, "sample-k", "esam-masked"])
 def test_float64_matches_hand_computation(name):
     steps = 5
     expected = hand(name, steps)
@@ -319,6 +321,9 @@ def test_esam_second_pass_on_the_selected_items_only():
     assert [len(p) for p in prob.passes] == [4, 2, 4, 2, 6, 3]
     assert all(s["selected"] == 0.5 for s in stats)
     assert all(0 < s["perturbed"] < 1 for s in stats)
+    prob, opt, _, stats = run("esam-masked", 3)  # one pass with gradients on the whole batch
+    assert [len(p) for p in prob.passes] == [4, 4, 4, 4, 6, 6]
+    assert all(s["selected"] == 0.5 for s in stats)
 
 
 def test_esam_gamma_one_is_sam_with_masked_perturbation():
@@ -428,6 +433,10 @@ def test_esam_selects_items_of_a_trainers_batch(tmp_path, dtd_root, tiny_clip_op
     # first pass; the no-grad forward at theta + e; the second pass on the 2 sharpest items
     assert calls == [(4, True), (4, False), (2, True)]
     assert out["selected"] == 0.5
+    tr.optim.select_pass = "masked"
+    calls.clear()
+    tr.forward_backward(next(iter(tr.train_loader_x)))
+    assert calls == [(4, True), (4, True)]
 
 
 def test_select_inputs_default_and_per_class_entries():
@@ -497,6 +506,9 @@ def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
             assert cfg.NAME == ("sample" if name == "sample_k5" else name)
             if name in ("looksam", "esam"):  # the trainer's SAM radius
                 assert cfg.RHO == rho
+            if name == "esam":  # the cheaper schedule of the selected pass for the trainer
+                text_only = osp.basename(folder) in ("CoOp", "KgCoOp", "TCP")
+                assert cfg.SELECT_PASS == ("masked" if text_only else "subset")
             if name in ("looksam", "sample_k5"):
                 assert (cfg.EVERY, cfg.LOOK_ALPHA) == (5, 0.7)
             if name == "saf":
