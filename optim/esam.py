@@ -20,8 +20,9 @@ SAM with two savings (Du et al., Sec. 3 and Alg. 1):
 
       theta <- base_step(theta, grad L_S+(theta + e)),   S+ = top-gamma items by the increase
 
-Two schedules of the selected pass give the same update (``select_pass``,
-``OPTIM.SAM.SELECT_PASS``):
+Two schedules of the selected pass (``select_pass``, ``OPTIM.SAM.SELECT_PASS``), the same update
+when the trainer's regularisers do not depend on the items (CoOp, KgCoOp, TCP; in "masked" an
+item-dependent regulariser stays over the whole batch):
 
 - "subset" (the authors'): a forward without gradients on the batch for ``l_i(theta + e)``, then
   a forward and backward on the selected items. Cheaper where a step's work grows with the
@@ -38,10 +39,10 @@ Per-item losses are the cross-entropy terms the trainer records
 enter the second pass unchanged on the selected items. The selected items keep the batch order
 (ties broken by ``torch.topk``). The random masks come from the optimizer's generator (saved in
 the state dict). Defaults: ``beta = 0.6``, ``gamma = 0.5`` (the authors' CIFAR recipe) and
-``rho = 0.05`` (this project's SAM default). Cost: one full forward/backward, one full forward
-without gradients and a forward/backward on ``gamma`` of the batch. The selection needs the
-step's batch (:class:`optim.step.StepBatch`, given by the engine's step object); through
-``step(closure)`` the closure's loss is the second pass (no selection).
+``rho = 0.05`` (this project's SAM default). Cost: "subset" one forward/backward, one forward
+without gradients and a forward/backward on ``gamma`` of the batch; "masked" SAM's two. The
+selection needs the step's batch (:class:`optim.step.StepBatch`, given by the engine's step
+object); through ``step(closure)`` the closure's loss is the second pass (no selection).
 """
 
 from __future__ import annotations
