@@ -26,13 +26,13 @@ item-dependent regulariser stays over the whole batch):
 
 - "subset" (the authors'): a forward without gradients on the batch for ``l_i(theta + e)``, then
   a forward and backward on the selected items. Cheaper where a step's work grows with the
-  items (CoCoOp's per-image prompts, the prompted image encoders of MaPLe, IVLP, PromptSRC,
-  CoPrompt).
+  items (large batches through a prompted image encoder).
 - "masked": one forward with gradients on the batch gives ``l_i(theta + e)``; the backward is
   of the trainer's loss with its cross-entropy replaced by the mean over the selected items,
-  ``L - CE + mean_{S+} l_i``. Cheaper where the work does not grow with the items (CoOp, KgCoOp,
-  TCP: the class prompts go through the text encoder whatever the batch), where "subset" would
-  cost a forward more than SAM.
+  ``L - CE + mean_{S+} l_i``. Cheaper where the class prompts' text-encoder work, which does
+  not shrink with the items, dominates (CoOp, KgCoOp, TCP; the deep-prompt trainers at their
+  published batch of 4): there "subset" costs a forward more than SAM. Their per-trainer
+  configs use it (CoCoOp's, with per-image text features, keeps "subset").
 
 Per-item losses are the cross-entropy terms the trainer records
 (``TrainerX.classification_loss``); batch-level regularisers (KgCoOp's, PromptSRC's, CoPrompt's)

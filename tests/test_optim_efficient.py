@@ -506,9 +506,9 @@ def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
             assert cfg.NAME == ("sample" if name == "sample_k5" else name)
             if name in ("looksam", "esam"):  # the trainer's SAM radius
                 assert cfg.RHO == rho
-            if name == "esam":  # the cheaper schedule of the selected pass for the trainer
-                text_only = osp.basename(folder) in ("CoOp", "KgCoOp", "TCP")
-                assert cfg.SELECT_PASS == ("masked" if text_only else "subset")
+            if name == "esam":  # the cheaper schedule (CoCoOp: per-image text features)
+                want = "subset" if osp.basename(folder) == "CoCoOp" else "masked"
+                assert cfg.SELECT_PASS == want
             if name in ("looksam", "sample_k5"):
                 assert (cfg.EVERY, cfg.LOOK_ALPHA) == (5, 0.7)
             if name == "saf":
