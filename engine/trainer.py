@@ -6,10 +6,15 @@ A trainer states two things (the step protocol):
     outputs, teacher features, per-step random choices); run under ``torch.no_grad()``, and
 (b) ``compute_loss(inputs)``: its loss (and a dict of scalars to log) from those inputs.
 
-The engine runs (b) and hands the loss, with a function that re-runs (b), to the optimizer's
-step object (:class:`optim.step.OptimizerStep`, built from ``OPTIM``), which owns backward,
-precision scaling, sharpness-aware second passes and staging. So trainers contain no
-optimizer-specific code. The engine detects NaN/inf losses and parameters (raising with epoch,
+A trainer computes its cross-entropy with ``self.classification_loss(logits, label)``, which
+records the pass's logits for the step (per-item losses for ESAM's selection, the outputs for
+SAF/MESA's trajectory loss); ``select_inputs(inputs, subset)`` takes the prepared inputs of a
+part of the batch (a second pass on selected items). The engine runs (b) and hands the loss,
+with a function that re-runs (b), and the batch (:class:`optim.step.StepBatch`: the loss on all
+or part of it, the recorded outputs, the items' dataset indices) to the optimizer's step object
+(:class:`optim.step.OptimizerStep`, built from ``OPTIM``), which owns backward, precision
+scaling, sharpness-aware second passes and staging. So trainers contain no optimizer-specific
+code. The engine detects NaN/inf losses and parameters (raising with epoch,
 batch and loss terms; the run folder is marked as diverged), writes per-step diagnostics and
 steps the LR scheduler once per epoch (and, with ``OPTIM.LR_STEP_PER_BATCH``, after every batch
 of the sharpness-aware stage too).
@@ -34,13 +39,15 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from optim.staging import total_epochs
-from optim.step import build_step
+from optim.step import PassOutputs, StepBatch, build_step
 
 from .checkpoint import CheckpointMixin
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
+from .cost import RunCost
 from .data import DataManager
 from .errors import ConfigError
 from .evaluation import EvaluationMixin, compute_dtype
@@ -74,6 +81,21 @@ def _batch_len(batch) -> int:
     counts as full."""
     label = batch.get("label") if isinstance(batch, dict) else None
     return len(label) if label is not None else 1 << 62
+
+
+def _select(obj, subset: torch.Tensor, size: int):
+    """``obj`` with every tensor whose first dimension is ``size`` indexed by ``subset``, inside
+    tuples, lists and dicts; anything else unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj[subset] if obj.dim() > 0 and obj.shape[0] == size else obj
+    if isinstance(obj, tuple):
+        items = [_select(o, subset, size) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, list):
+        return [_select(o, subset, size) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _select(v, subset, size) for k, v in obj.items()}
+    return obj
 
 
 def _scalar_row_before(row: dict, start_iter: int, start_epoch: int) -> bool:
@@ -458,10 +480,12 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             keep = partial(_scalar_row_before, start_iter=start_iter, start_epoch=self.start_epoch)
         self.writer.open(self.output_dir, osp.join(self.output_dir, "tensorboard"), keep=keep)
         self.time_start = time.time()
+        self.cost = RunCost(self.device, self.output_dir, self._cost_meta(), self.start_epoch > 0)
 
     def after_train(self):
         for line in TRAIN_END_LINES:
             logger.info(line)
+        self.log_cost()
         do_test = not self.cfg.TEST.NO_TEST
         if do_test:
             if self.cfg.TEST.FINAL_MODEL == "best_val":
@@ -473,6 +497,35 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         clear_divergence(self.output_dir)  # finished: a diverged-and-resumed run recovered
         elapsed = str(datetime.timedelta(seconds=round(time.time() - self.time_start)))
         logger.info("Elapsed: %s", elapsed)
+
+    def _cost_meta(self) -> dict:
+        """What ``cost.json`` says the run is (engine.cost)."""
+        optim = self.cfg.OPTIM
+        return {
+            "optimizer": optim.SAM.NAME or optim.NAME,
+            "base_optimizer": optim.NAME,
+            "every": optim.SAM.get("EVERY", 0),
+            "trainer": self.cfg.TRAINER.NAME,
+            "device": self.device.type,
+            "precision": self.prec,
+            "batch_size": self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+        }
+
+    def log_cost(self) -> None:
+        """Log the run's training cost (``cost.json``, written after every epoch)."""
+        cost = getattr(self, "cost", None)
+        if cost is None or not cost.steps:
+            return
+        out = cost.summary()
+        cuda = out["peak_cuda_mb"]
+        logger.info(
+            "Training cost: %d steps, %.1f s (%.4f s per step), peak CPU RSS %.0f MiB%s",
+            out["steps"],
+            out["train_time_s"],
+            out["mean_step_s"],
+            out["peak_cpu_rss_mb"],
+            "" if cuda is None else f", peak CUDA {cuda:.0f} MiB",
+        )
 
     def on_divergence(self, error: FloatingPointError) -> None:
         """Write ``diverged.json`` (epoch, batch, message): a re-run into this folder then
@@ -518,6 +571,8 @@ class TrainerX(SimpleTrainer):
     # update_lr() on the last batch inside forward_backward; the dassl compatibility layer)
     ENGINE_STEPS_LR = True
 
+    _pass_outputs: PassOutputs | None = None  # what classification_loss recorded this pass
+
     # -- the step protocol ------------------------------------------------------------------
     def parse_batch_train(self, batch):
         dev = self.device
@@ -537,6 +592,26 @@ class TrainerX(SimpleTrainer):
         Called once per pass (twice per step with a sharpness-aware optimizer), under autocast.
         """
         raise NotImplementedError
+
+    def classification_loss(self, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy of a training pass, ``F.cross_entropy(logits.float(), label)``.
+
+        Records the pass's logits and labels for the optimizer step
+        (:class:`optim.step.PassOutputs`: per-item losses, the outputs of SAF/MESA); every
+        trainer computes its classification loss through it.
+        """
+        ce = F.cross_entropy(logits.float(), label)
+        self._pass_outputs = PassOutputs(logits, label, ce)
+        return ce
+
+    def select_inputs(self, inputs, subset: torch.Tensor, size: int):
+        """The prepared inputs of the items ``subset`` (1-D indices) of a batch of ``size``.
+
+        Default: every tensor whose first dimension is ``size`` (in tuples, lists and dicts) is
+        indexed; override when the inputs hold a tensor of that leading size that is not per
+        item (e.g. per-class features when the classes may number ``size``).
+        """
+        return _select(inputs, subset, size)
 
     def model_outputs(self, image: torch.Tensor) -> ModelOutput:
         """Image features, text features and logits of ``image`` (a batch on the device) with
@@ -558,14 +633,37 @@ class TrainerX(SimpleTrainer):
         """One training step as the epoch loop calls it (default: :meth:`forward_backward`)."""
         return self.forward_backward(batch)
 
+    def _pass(self, inputs, subset: torch.Tensor | None, size: int):
+        """One pass for the step: ``(loss, recorded outputs or None)`` on the batch or on the
+        items ``subset``. A smaller batch, and a pass without gradients (an optimizer's look at
+        the outputs), run the compiled encoders eagerly: the compiled graphs are the training
+        pass's."""
+        self._pass_outputs = None
+        if subset is not None:
+            inputs = self.select_inputs(inputs, subset, size)
+        other = subset is not None or not torch.is_grad_enabled()
+        with eager() if other and self.compiled_modules else nullcontext():
+            loss, _ = self._loss(inputs)
+        return loss, self._pass_outputs
+
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
-        with self.compiled_batch(_batch_len(batch), self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
+        size = _batch_len(batch)
+        with self.compiled_batch(size, self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
             parsed = self.parse_batch_train(batch)
             with torch.no_grad(), self.autocast():
                 inputs = self.prepare_step(parsed)
+            index = batch.get("index") if isinstance(batch, dict) else None
+            if index is not None:
+                index = torch.as_tensor(index).to(self.device, non_blocking=True)
+            step_batch = StepBatch(partial(self._pass, inputs, size=size), index)
+            self.optim_step.begin_step(step_batch, self.epoch)
+            self._pass_outputs = None
             loss, summary = self._loss(inputs)
-            stats = self.optim_step(loss, lambda: self._loss(inputs)[0], self.epoch)
+            step_batch.first = self._pass_outputs
+            stats = self.optim_step(
+                loss, lambda: self._loss(inputs)[0], self.epoch, batch=step_batch
+            )
         self.finite.record(self.epoch, self.batch_idx, loss, summary)
         out = {"loss": loss.detach(), **summary}
         out.update(stats)
@@ -589,6 +687,9 @@ class TrainerX(SimpleTrainer):
         data_time = AverageMeter()
         self.num_batches = len(self.train_loader_x)
         print_freq = self.cfg.TRAIN.PRINT_FREQ
+        cost = getattr(self, "cost", None)
+        if cost is not None:
+            cost.start_epoch(self.epoch)
         end = time.time()
         for self.batch_idx, batch in enumerate(self.train_loader_x):  # noqa: B020
             data_time.update(time.time() - end)
@@ -617,6 +718,8 @@ class TrainerX(SimpleTrainer):
             if self.ENGINE_STEPS_LR and self.optim_step.lr_step_per_batch(self.epoch):
                 self.update_lr()  # the released SAMPLe trainers' per-batch step (besides below)
             end = time.time()
+        if cost is not None:
+            cost.end_epoch(self.epoch, self.num_batches)
         self._check_finite()
         self.flush_scalars()
         if self.ENGINE_STEPS_LR:

@@ -10,15 +10,26 @@ from .build import (
     list_optimizers,
     register_optimizer,
 )
+from .esam import ESAM
 from .fsam import FSAM
+from .looksam import LookSAM
 from .lr_scheduler import build_lr_scheduler
+from .mesa import MESA
+from .rwp import MRWP, RWP
+from .saf import SAF
 from .sagm import SAGM
 from .sam import SAM
 from .sample import SAMPLe
 from .sharpness import SharpnessAwareOptimizer
 
 __all__ = [
+    "ESAM",
     "FSAM",
+    "LookSAM",
+    "MESA",
+    "MRWP",
+    "RWP",
+    "SAF",
     "SAGM",
     "SAM",
     "SAMPLe",

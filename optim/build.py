@@ -10,7 +10,8 @@ one file: its class and its ``register_optimizer`` call.
 
 ``OPTIM.NAME`` names the base optimizer (Dassl-compatible: sgd, adam, adamw, amsgrad, rmsprop,
 radam); ``OPTIM.SAM.NAME`` optionally wraps it in a sharpness-aware optimizer (sam, fsam, sagm,
-sample) whose hyper-parameters come from ``OPTIM.SAM.*``.
+sample, and the cheaper looksam, esam, rwp, mrwp, saf, mesa: docs/efficient-sharpness.md)
+whose hyper-parameters come from ``OPTIM.SAM.*``.
 
 Adding an optimizer::
 
@@ -67,6 +68,18 @@ SAM_HPARAMS = {
         HParam("VARIANT", "variant", "paper", "paper | reference | reference-cocoop (sample)"),
         HParam("UPDATE", "update", "", "SAGM/SAMPLe update: '' (variant's) | sum | mean"),
         HParam("SCHEDULE", "schedule", "constant", "constant | inv_sqrt"),
+        HParam("EVERY", "every", 0, "ascent every k steps (0: the optimizer's own k)"),
+        HParam("LOOK_ALPHA", "look_alpha", 0.7, "LookSAM scale of the reused direction g_v"),
+        HParam("BETA", "beta", 0.6, "ESAM fraction of the weights perturbed"),
+        HParam("GAMMA", "gamma", 0.5, "ESAM fraction of the batch in the second pass"),
+        HParam("SELECT_PASS", "select_pass", "subset", "ESAM selected pass: subset | masked"),
+        HParam("NOISE", "noise", 0.01, "RWP/m-RWP noise scale (relative to the filter norm)"),
+        HParam("MIX", "mix", 0.5, "m-RWP weight of the perturbed gradient"),
+        HParam("TRAJ_WEIGHT", "weight", -1.0, "SAF/MESA trajectory-loss weight (< 0: own)"),
+        HParam("TEMPERATURE", "temperature", 5.0, "SAF/MESA softmax temperature tau"),
+        HParam("TRAJ_START", "start_epoch", 0, "SAF/MESA first epoch (0-based) of the KL term"),
+        HParam("EPOCHS_BACK", "epochs_back", 2, "SAF: outputs recorded E epochs earlier"),
+        HParam("EMA_DECAY", "ema_decay", 0.9998, "MESA decay of the EMA model"),
     )
 }
 
@@ -84,6 +97,10 @@ class OptimizerSpec:
         hparams: the OPTIM.SAM hyper-parameters passed to a sharpness-aware constructor.
         make_kwargs: base optimizers: ``optim_cfg -> constructor kwargs``.
         test_kwargs: constructor keywords of a small test problem (the shared tests use them).
+        efficient: one of the cheaper sharpness-aware optimizers (docs/efficient-sharpness.md):
+            it may skip the second pass or act before the forward through the hooks of
+            :class:`optim.sharpness.SharpnessAwareOptimizer`; tests/test_optim_efficient.py runs
+            their shared checks, tests/test_optim.py those of the second-pass-every-step family.
     """
 
     name: str
@@ -94,6 +111,7 @@ class OptimizerSpec:
     hparams: tuple[HParam, ...] = ()
     make_kwargs: Callable | None = field(default=None, compare=False)
     test_kwargs: dict = field(default_factory=dict, compare=False)
+    efficient: bool = False
 
 
 def register_optimizer(
@@ -105,6 +123,7 @@ def register_optimizer(
     hparams: tuple[str | HParam, ...] = (),
     make_kwargs: Callable | None = None,
     test_kwargs: dict | None = None,
+    efficient: bool = False,
 ) -> OptimizerSpec:
     """Register an optimizer (see the module docstring); ``hparams`` names built-in OPTIM.SAM
     keys (:data:`SAM_HPARAMS`) or gives new ones as :class:`HParam`."""
@@ -129,6 +148,7 @@ def register_optimizer(
         tuple(resolved),
         make_kwargs,
         dict(test_kwargs or {}),
+        efficient,
     )
     OPTIMIZER_REGISTRY.register(spec, name=name)
     return spec

@@ -67,6 +67,19 @@ learning rate of the SGD/SAM/F-SAM rows at the same ``OPTIM.LR`` (the convergenc
 ``g + g_p`` differs from the mean by that factor on the learning rate only). The released
 trainers' extra per-batch LR-scheduler step is a trainer matter, not an optimizer one.
 
+Lookahead, SAMPLe-k (``every = k``, ``OPTIM.SAM.EVERY``; this project's, in none of the
+anchors): SAMPLe's mixed perturbation ``e - alpha * g_B`` and its second pass run only on the
+steps ``t`` (completed steps so far, from 0) with ``t mod k == 0``; the steps in between take
+one forward/backward. What is reused is LookSAM's: at an ascent step the part of ``g_p`` (the
+gradient at SAMPLe's perturbed point) orthogonal to ``g`` is stored,
+``g_v = g_p - (<g_p, g> / ||g||^2) g``; in between ``g_p`` is replaced by
+``g_p_hat = g + look_alpha * (||g|| / ||g_v||) * g_v`` (``look_alpha``: ``OPTIM.SAM.LOOK_ALPHA``,
+0.7) and the update is SAMPLe's own rule on ``(g, g_p_hat)`` (``g + g_p_hat`` or the mean). The
+moving average ``m`` belongs to the perturbation: it is updated at the ascent steps only, from
+the ``g`` of that step, exactly as SAMPLe does; so ``every = 1`` (the default) is SAMPLe to the
+bit, and with ``k = 5`` a step costs about ``1 + 1/5`` passes. The rule is
+:meth:`optim.sharpness.SharpnessAwareOptimizer.single_step`, shared with LookSAM.
+
 ``rho``, ``alpha`` and ``lam`` may be set per param group; ``xi``, ``sigma`` and the norms are
 global. Defaults follow the paper's hyper-parameter table for CoOp (rho 0.05, alpha 0.0015,
 lam 0.15). Diagnostics besides the common ones: ``ema_norm`` (``||m_t||``), ``xi`` (the
@@ -125,6 +138,8 @@ class SAMPLe(SharpnessAwareOptimizer):
         schedule: "constant" or "inv_sqrt" (rho / sqrt(t) and alpha / sqrt(t)).
         update: "" (the variant's rule), "sum" (g + g_p) or "mean" (0.5 * g + 0.5 * g_p).
         exploration: False replaces ``g_B`` by ``g`` (ablation; then SAMPLe is SAGM).
+        every: lookahead period k (SAMPLe-k; 0 or 1: SAMPLe, the second pass every step).
+        look_alpha: scale of the reused direction between two ascents (LookSAM's alpha).
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
@@ -142,11 +157,14 @@ class SAMPLe(SharpnessAwareOptimizer):
         schedule: str = "constant",
         update: str = "",
         exploration: bool = True,
+        every: int = 0,
+        look_alpha: float = 0.7,
         **base_kwargs,
     ):
         self.exploration = exploration
         defaults = dict(rho=rho, alpha=alpha, lam=lam)
         super().__init__(params, base_optimizer, defaults, variant, schedule, update, **base_kwargs)
+        self.set_lookahead(every or 1, look_alpha)
 
     def _perturbation(self, fp, g, g_norm, scale):
         if self.variant == "reference-cocoop":
@@ -228,6 +246,6 @@ register_optimizer(
     "SAMPLe: SAM plus a step back along the batch-specific gradient (orthogonal to its EMA)",
     kind="sharpness",
     needs_closure=True,
-    hparams=("RHO", "ALPHA", "LAMBDA", "VARIANT", "UPDATE", "SCHEDULE"),
+    hparams=("RHO", "ALPHA", "LAMBDA", "VARIANT", "UPDATE", "SCHEDULE", "EVERY", "LOOK_ALPHA"),
     test_kwargs=dict(rho=0.05, alpha=0.01, lam=0.5),
 )

@@ -57,6 +57,39 @@ Hyper-parameters live in ``defaults`` and may be overridden per param group (``r
 or "mean"; SAGM and SAMPLe only) and ``schedule`` ("constant" or "inv_sqrt":
 ``rho_t = rho / sqrt(t)`` and ``alpha_t = alpha / sqrt(t)``, t = 1, 2, ... this optimizer's
 steps, as in the SAMPLe paper's convergence theorem) are global.
+
+Cheaper members of the family (docs/efficient-sharpness.md) use these hooks, which the step
+object (:mod:`optim.step`) calls on every sharpness-aware optimizer (no-ops here):
+
+- :meth:`~SharpnessAwareOptimizer.second_pass_due`: whether this step takes the second pass.
+  With ``every = k > 1`` (LookSAM; SAMPLe with ``OPTIM.SAM.EVERY``) the ascent runs on the steps
+  ``t`` with ``t mod k == 0`` (``t = num_steps`` completed steps, so the first step is an
+  ascent) and :meth:`~SharpnessAwareOptimizer.single_step` updates from ``g`` alone in between
+  (the lookahead rule below);
+- :meth:`~SharpnessAwareOptimizer.before_forward` (called before the first pass; RWP perturbs,
+  MESA runs its EMA model) and :meth:`~SharpnessAwareOptimizer.extra_loss` (a term added to the
+  first-pass loss before the backward; SAF/MESA's trajectory loss);
+- :meth:`~SharpnessAwareOptimizer.second_pass_loss`: the loss of the second pass (ESAM selects a
+  part of the batch); they receive the step's :class:`optim.step.StepBatch`.
+
+Lookahead (LookSAM, Liu et al. CVPR 2022, Alg. 1, applied to every optimizer of this class that
+sets ``every > 1``): at an ascent step the perturbed gradient ``g_p`` is split into its
+component along ``g`` and the orthogonal rest, which is stored per parameter::
+
+    g_v = g_p - (<g_p, g> / ||g||^2) * g                 (state "look_gv", at least fp32)
+
+and on the ``k - 1`` steps in between the perturbed gradient is approximated from the new ``g``::
+
+    g_p_hat = g + look_alpha * (||g|| / ||g_v||) * g_v
+
+which then enters the optimizer's own update rule in place of ``g_p`` (``g_p_hat`` for SAM, i.e.
+LookSAM; ``g + g_p_hat`` or the mean for SAMPLe). Only ``g_v`` is reused; everything else (the
+moving average, ``e``) is computed at the ascent steps from the state as it is then, so
+``every = 1`` is the optimizer exactly.
+
+Random perturbations (ESAM, RWP) draw from a generator of the optimizer, seeded from
+``torch.initial_seed()`` when it is first used (no draw from the global stream) and saved in
+the state dict, so a resumed run draws what an uninterrupted one draws.
 """
 
 from __future__ import annotations
@@ -216,7 +249,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
     Attributes:
         base_optimizer: the wrapped optimizer.
         update_rule: the update gradient in use: "perturbed", "sum" or "mean".
-        num_steps: completed steps (``second_step`` calls), saved in the state dict.
+        num_steps: completed steps (``second_step`` and ``single_step`` calls), saved in the
+            state dict.
+        every: the lookahead period k (1: a second pass every step).
         last_stats: diagnostics of the last completed step, 0-d tensors (at least fp32) on
             the parameters' device: grad_norm, grad_p_norm, cos_g_gp, plus the subclass's.
     """
@@ -259,6 +294,30 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         self.num_steps = 0
         self.last_stats: dict[str, Tensor] = {}
         self._pending: FirstPass | None = None
+        self.every = 1  # lookahead: the second pass every `every` steps (set_lookahead)
+        self.look_alpha = 0.0
+        self._generator: torch.Generator | None = None
+        self._generator_state: Tensor | None = None  # loaded before the generator exists
+
+    def set_lookahead(self, every: int, look_alpha: float) -> None:
+        """Take the second pass every ``every`` steps and reuse ``g_v`` in between (see the
+        module docstring); ``every = 1`` is the optimizer unchanged."""
+        if int(every) != every or every < 1:
+            raise ValueError(f"Invalid every: {every!r} (an integer >= 1: ascent every k steps)")
+        if not look_alpha >= 0:
+            raise ValueError(f"Invalid look_alpha: {look_alpha} (must be >= 0)")
+        self.every = int(every)
+        self.look_alpha = float(look_alpha)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The optimizer's random generator on ``device`` (created on first use)."""
+        if self._generator is None:
+            self._generator = torch.Generator(device=device)
+            if self._generator_state is not None:
+                self._generator.set_state(self._generator_state)
+            else:
+                self._generator.manual_seed(torch.initial_seed())
+        return self._generator
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict) -> None:
@@ -293,6 +352,73 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             scale: the schedule's factor on rho and alpha.
         """
         raise NotImplementedError
+
+    # ------------------------------------------------------------- hooks of the step object
+    def second_pass_due(self) -> bool:
+        """Whether this step takes the second pass (always, unless ``every > 1``: then on
+        steps ``t`` with ``t mod every == 0``, and whenever no ``g_v`` is stored yet)."""
+        if self.every <= 1 or self.num_steps % self.every == 0:
+            return True
+        return not any("look_gv" in s for s in self.state.values())
+
+    def before_forward(self, batch, epoch: int) -> None:
+        """Called before the first pass's forward (the step's :class:`optim.step.StepBatch`)."""
+
+    def extra_loss(self, batch, epoch: int) -> Tensor | None:
+        """A term added to the first-pass loss before the backward (None: nothing)."""
+        return None
+
+    def second_pass_loss(self, batch, loss_fn: Callable[[], Tensor]) -> Tensor:
+        """The loss of the second pass at the perturbed point (default: ``loss_fn()``)."""
+        return loss_fn()
+
+    def restore_single(self) -> None:
+        """Undo :meth:`before_forward` when a one-pass step is skipped (AMP overflow)."""
+
+    @torch.no_grad()
+    def single_step(self) -> None:
+        """A step without a second pass, from ``.grad = g``: the lookahead rule (module
+        docstring) through the optimizer's update rule, then the base optimizer's step."""
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        stats: dict[str, Tensor] = {}
+        if params:
+            g = [p.grad.to(acc_dtype(p.grad)) for p in params]
+            g_norm = global_norm(g)
+            g_v = [self.state[p].get("look_gv") for p in params]
+            g_v = [torch.zeros_like(gi) if v is None else v for gi, v in zip(g, g_v)]
+            gv_norm = global_norm(g_v)
+            coef = self.look_alpha * g_norm / gv_norm.clamp_min(TINY)
+            g_hat = torch._foreach_add(g, torch._foreach_mul(g_v, coef))
+            update = self._combine(g, g_hat)
+            for p, u in zip(params, update):
+                p.grad.copy_(u)
+            stats = {"grad_norm": g_norm, "gv_norm": gv_norm}
+        self.num_steps += 1
+        self.base_optimizer.step()
+        self._opt_called = True
+        self.last_stats = stats
+
+    def _combine(self, g: list[Tensor], g_p: list[Tensor]) -> list[Tensor]:
+        """The update gradient from ``g`` and ``g_p`` by ``update_rule`` (``g_p`` may be
+        changed in place and returned)."""
+        if self.update_rule == "sum":
+            torch._foreach_add_(g_p, g)
+        elif self.update_rule == "mean":  # g_p + (0.5 g - 0.5 g_p), as the references
+            half = torch._foreach_mul(g, 0.5)
+            torch._foreach_sub_(half, g_p, alpha=0.5)
+            torch._foreach_add_(g_p, half)
+        return g_p
+
+    def _store_direction(self, fp: FirstPass, g_p: list[Tensor]) -> Tensor:
+        """Lookahead: store ``g_v``, the part of ``g_p`` orthogonal to ``g``; returns its norm."""
+        g = [gi.to(acc_dtype(gi)) for gi in fp.grads]
+        gp = [gi.to(acc_dtype(gi)) for gi in g_p]
+        g_norm = global_norm(g)
+        coef = global_dot(gp, g) / (g_norm * g_norm).clamp_min(TINY)
+        g_v = torch._foreach_sub(gp, torch._foreach_mul(g, coef))
+        for p, v in zip(fp.params, g_v):
+            self.state[p]["look_gv"] = v
+        return global_norm(g_v)
 
     def _ema(self, p: Tensor) -> Tensor | None:
         """The committed moving average of ``p`` (at least fp32), None before its first update."""
@@ -363,12 +489,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             if fp.ema is not None:
                 m_norm = stats["ema_norm"]
                 stats["cos_gp_m"] = cosine(global_dot(g_p, fp.ema), gp_norm, m_norm)
-            if self.update_rule == "sum":
-                torch._foreach_add_(g_p, fp.grads)
-            elif self.update_rule == "mean":  # g_p + (0.5 g - 0.5 g_p), as the references
-                half = torch._foreach_mul(fp.grads, 0.5)
-                torch._foreach_sub_(half, g_p, alpha=0.5)
-                torch._foreach_add_(g_p, half)
+            if self.every > 1:
+                stats["gv_norm"] = self._store_direction(fp, g_p)
+            self._combine(fp.grads, g_p)
         if fp.ema is not None:
             for p, m in zip(fp.params, fp.ema):
                 self.state[p]["ema"] = m
@@ -416,6 +539,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         if all(p.grad is None for group in self.param_groups for p in group["params"]):
             first_loss = closure()
             loss = first_loss if loss is None else loss
+        if not self.second_pass_due():
+            self.single_step()
+            return loss
         self.first_step(zero_grad=True)
         closure()
         self.second_step()
@@ -441,7 +567,19 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
             "update": self.update_rule,
             "state": own,
         }
+        if self._generator is not None:
+            sd["sharpness"]["generator"] = self._generator.get_state()
+        extra = self._extra_state()
+        if extra is not None:
+            sd["sharpness"]["extra"] = extra
         return sd
+
+    def _extra_state(self) -> dict | None:
+        """State that is not per parameter (SAF's recorded outputs), for the state dict."""
+        return None
+
+    def _load_extra_state(self, extra: dict | None) -> None:
+        """Load what :meth:`_extra_state` returned (None: a state dict without it)."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict of :meth:`state_dict` (or a plain base optimizer's: averages restart)."""
@@ -474,3 +612,8 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
                 for k, v in s.items()
             }
         self.num_steps = int(own["num_steps"])
+        self._load_extra_state(own.get("extra"))
+        gen = own.get("generator")
+        self._generator_state = gen.clone() if gen is not None else None
+        if self._generator is not None and gen is not None:
+            self._generator.set_state(gen)

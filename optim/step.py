@@ -15,7 +15,16 @@ code:
 - gradients are zeroed before the backward and the loss is backpropagated (scaled under AMP);
 - a one-pass optimizer (SGD, Adam, ...) steps; under AMP through the ``GradScaler`` (unscale,
   skip on inf/NaN, update the scale);
-- a two-pass (sharpness-aware, ``needs_closure``) optimizer gets ``loss_fn`` as its second pass.
+- a sharpness-aware optimizer is asked, through its hooks (:mod:`optim.sharpness`), what this
+  step takes: :meth:`begin_step` lets it act before the first forward (RWP perturbs the
+  weights, MESA runs its EMA model), a term it returns is added to the loss before the backward
+  (SAF/MESA's trajectory loss), and ``second_pass_due()`` says whether the second pass runs
+  (LookSAM and SAMPLe with ``OPTIM.SAM.EVERY k``: every k steps; RWP, SAF, MESA: never);
+  without it the optimizer's ``single_step`` updates from the one gradient. The engine hands
+  the batch as a :class:`StepBatch` (the loss on all or part of the batch, the pass's logits
+  and per-sample losses, the items' dataset indices), so no trainer knows any optimizer;
+- a two-pass (sharpness-aware, ``needs_closure``) optimizer gets ``loss_fn`` (or its
+  ``second_pass_loss``: ESAM's pass on the selected items) as its second pass.
   Under AMP the passes share one scale: the first-pass gradients are unscaled (recording
   inf/NaN) before ``first_step``, the perturbed ones before ``second_step``; an overflow in
   either pass skips the step (parameters restored exactly) and backs the scale off;
@@ -33,13 +42,103 @@ Its ``state_dict`` (the GradScaler's) goes into checkpoints next to the optimize
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .build import get_optimizer_spec
 from .errors import OptimConfigError
 from .staging import Staging
+
+
+class PassOutputs(NamedTuple):
+    """What a trainer's loss records of one pass (``TrainerX.classification_loss``).
+
+    Attributes:
+        logits: ``[batch, n_cls]`` (with the pass's graph when it ran with gradients).
+        label: ``[batch]`` class indices.
+        ce: the mean cross-entropy the trainer's loss contains (the tensor it added), or None.
+    """
+
+    logits: Tensor
+    label: Tensor
+    ce: Tensor | None = None
+
+    def sample_loss(self, graph: bool = False) -> Tensor:
+        """Per-item cross-entropy ``[batch]`` (fp32 at least; with the pass's graph if asked)."""
+        logits = self.logits if graph else self.logits.detach()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, self.label, reduction="none")
+
+
+NO_OUTPUTS = (
+    "needs the trainer's logits, and this trainer's compute_loss does not record them: compute "
+    "its cross-entropy with self.classification_loss(logits, label) (engine.trainer.TrainerX)"
+)
+
+
+class StepBatch:
+    """The engine's side of a step: what an optimizer may ask of the current batch.
+
+    Args:
+        forward: ``forward(subset)`` computes the trainer's loss at the current parameters
+            (autocast as in training; with gradients unless called under ``torch.no_grad()``)
+            on the whole batch (``subset`` None) or on the items of the 1-D index tensor
+            ``subset``; returns ``(loss, outputs)``, ``outputs`` a :class:`PassOutputs` or None
+            when the trainer records none.
+        index: the items' dataset indices ``[batch]`` (long), or None.
+
+    Attributes:
+        first: the outputs of the step's first pass (set by the engine), or None.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[Tensor | None], tuple[Tensor, PassOutputs | None]],
+        index: Tensor | None = None,
+    ):
+        self.forward = forward
+        self.index = index
+        self.first: PassOutputs | None = None
+
+    def loss(self, subset: Tensor | None = None) -> Tensor:
+        """The loss on the batch (or on ``subset``), with gradients."""
+        return self.forward(subset)[0]
+
+    def outputs(self, subset: Tensor | None = None, who: str = "this optimizer") -> PassOutputs:
+        """Logits and labels at the current parameters, without gradients."""
+        with torch.no_grad():
+            out = self.forward(subset)[1]
+        if out is None:
+            raise OptimConfigError(f"{who} {NO_OUTPUTS}")
+        return out
+
+    def first_outputs(self, who: str = "this optimizer") -> PassOutputs:
+        """The first pass's outputs (an error naming the fix when the trainer records none)."""
+        if self.first is None:
+            raise OptimConfigError(f"{who} {NO_OUTPUTS}")
+        return self.first
+
+    def require_index(self, who: str) -> Tensor:
+        """The items' dataset indices (an error naming the fix when the loader gives none)."""
+        if self.index is None:
+            raise OptimConfigError(
+                f"{who} keys its records by the items' dataset indices: the training batches "
+                "must hold an 'index' entry (the engine's data loader gives one)"
+            )
+        return self.index
+
+
+def require_batch(batch: StepBatch | None, who: str) -> StepBatch:
+    """``batch``, or an error: ``who`` needs the step's batch (the engine always passes it)."""
+    if batch is None:
+        raise OptimConfigError(
+            f"{who} needs the step's batch (optim.step.StepBatch): call the step as "
+            "step(loss, loss_fn, epoch, batch=...) as engine.trainer.TrainerX does"
+        )
+    return batch
 
 
 def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
@@ -74,8 +173,9 @@ class OptimizerStep:
         self.scaler = torch.amp.GradScaler(device_type) if precision == "amp" else None
         self.staging = staging or Staging()
         self.lr_per_batch = bool(lr_per_batch)
-        self.two_pass = [o for o in self.optimizers if get_optimizer_spec(o).needs_closure]
-        if self.two_pass and len(self.optimizers) != 1:
+        self.sharp = [o for o in self.optimizers if get_optimizer_spec(o).kind == "sharpness"]
+        self.two_pass = [o for o in self.sharp if get_optimizer_spec(o).needs_closure]
+        if self.sharp and len(self.optimizers) != 1:
             raise OptimConfigError(
                 "A sharpness-aware optimizer needs a single optimizer per trainer; this trainer "
                 f"registers {len(self.optimizers)}"
@@ -84,11 +184,15 @@ class OptimizerStep:
     # -- hooks --------------------------------------------------------------------------------
     def check(self, sam_name: str, max_epoch: int) -> None:
         """Refuse a configuration whose sharpness-aware stage never starts."""
-        self.staging.check(sam_name if self.two_pass else "", max_epoch)
+        self.staging.check(sam_name if self.sharp else "", max_epoch)
 
     def sharpness_active(self, epoch: int) -> bool:
-        """Whether a sharpness-aware (two-pass) optimizer steps in ``epoch``."""
-        return bool(self.two_pass) and self.staging.active(epoch)
+        """Whether a sharpness-aware optimizer steps in ``epoch``."""
+        return bool(self.sharp) and self.staging.active(epoch)
+
+    def _active(self, epoch: int):
+        """The sharpness-aware optimizer stepping in ``epoch``, or None."""
+        return self.sharp[0] if self.sharpness_active(epoch) else None
 
     def lr_step_per_batch(self, epoch: int) -> bool:
         """Whether the LR scheduler steps after each batch of ``epoch`` (besides the epoch end):
@@ -107,25 +211,65 @@ class OptimizerStep:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     # -- the step -----------------------------------------------------------------------------
+    def begin_step(self, batch: StepBatch | None, epoch: int) -> None:
+        """Before the first pass's forward: the sharpness-aware optimizer's ``before_forward``
+        (RWP perturbs the weights, MESA runs its EMA model)."""
+        opt = self._active(epoch)
+        if opt is not None:
+            opt.before_forward(batch, epoch)
+
     def __call__(
-        self, loss: Tensor, loss_fn: Callable[[], Tensor] | None, epoch: int
+        self,
+        loss: Tensor,
+        loss_fn: Callable[[], Tensor] | None,
+        epoch: int,
+        batch: StepBatch | None = None,
     ) -> dict[str, Tensor]:
         """Backpropagate ``loss`` and update; ``loss_fn`` recomputes the loss (second pass).
 
-        Returns the optimizer's diagnostics of this step (empty for one-pass steps).
+        Args:
+            loss: the first-pass loss.
+            loss_fn: recomputes the loss at the current parameters (None: one-pass only).
+            epoch: the current epoch (0-based; staging).
+            batch: the step's :class:`StepBatch` (the engine passes it; optimizers that select
+                items or read logits need it).
+
+        Returns the optimizer's diagnostics of this step (empty for a base optimizer's).
         """
+        opt = self._active(epoch)
+        if opt is not None:
+            extra = opt.extra_loss(batch, epoch)
+            if extra is not None:
+                loss = loss + extra
         self.zero_grad()
         self.backward(loss)
-        if self.two_pass and self.staging.active(epoch):
+        if opt is None:
+            self._one_pass()
+            return {}
+        if get_optimizer_spec(opt).needs_closure and opt.second_pass_due():
             if loss_fn is None:
                 raise RuntimeError(
                     "A sharpness-aware optimizer evaluates the loss twice per step: the trainer "
                     "must state prepare_step(batch) and compute_loss(inputs) instead of calling "
                     "model_backward_and_update(loss)"
                 )
-            return self._two_pass(self.two_pass[0], loss, loss_fn)
-        self._one_pass()
-        return {}
+            return self._two_pass(opt, loss, lambda: opt.second_pass_loss(batch, loss_fn))
+        return self._single(opt)
+
+    def _single(self, opt) -> dict[str, Tensor]:
+        """A sharpness-aware optimizer's step without a second pass (``single_step``)."""
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.unscale_(opt)
+            if not grads_finite(opt):  # overflow: undo before_forward, skip, back off
+                opt.restore_single()
+                opt.zero_grad(set_to_none=True)
+                scaler.update()
+                return {}
+        opt.single_step()
+        if scaler is not None:
+            scaler.update()
+        return dict(getattr(opt, "last_stats", None) or {})
 
     def _one_pass(self) -> None:
         # before START_EPOCH a sharpness-aware wrapper steps its base optimizer

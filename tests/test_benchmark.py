@@ -102,3 +102,29 @@ def test_small_run_writes_every_key(tmp_path):
         assert r["compile"] == "aot_eager" and r["eager_step_ms"] > 0 and not r["compile_fallback"]
     assert rows[0]["compile_s"] > 0  # the first compiled row pays the compilation
     assert rows[0]["batch"] == 32 and rows[2]["batch"] == 4 and rows[2]["depth"] == 9
+
+
+@pytest.mark.slow
+def test_efficient_mode_times_every_cheaper_optimizer_against_sgd(tmp_path):
+    from tools.benchmark import EFFICIENT_OPTIMIZERS, EFFICIENT_STEPS_PER_CALL
+
+    out = tmp_path / "efficient.json"
+    args = ["--efficient", "--small", "--steps", "1", "--warmup", "0"]
+    args += ["--efficient-trainers", "CoCoOp", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, osp.join(ROOT, "tools", "benchmark.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps_per_call"] == EFFICIENT_STEPS_PER_CALL
+    rows = result["rows"]
+    assert [r["optimizer"] for r in rows] == list(EFFICIENT_OPTIMIZERS)
+    assert rows[0]["ratio_vs_sgd"] == 1.0
+    for r in rows:
+        assert r["trainer"] == "CoCoOp" and r["batch"] == 1 and r["step_ms"] > 0
+        assert r["target"] is None  # the targets are CoOp's
+    assert "x SGD" in proc.stdout

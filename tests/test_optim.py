@@ -21,7 +21,9 @@ from optim.build import OPTIMIZER_REGISTRY, build_optimizer, list_optimizers
 
 # The registry drives the suite: every registered sharpness-aware optimizer runs every shared
 # check with the small-problem hyper-parameters of its registry entry (``test_kwargs``).
-SPECS = list_optimizers("sharpness")
+# the cheaper members (``efficient``: second pass skipped or none) have their own suite,
+# tests/test_optim_efficient.py
+SPECS = [s for s in list_optimizers("sharpness") if not s.efficient]
 NAMES = tuple(s.name for s in SPECS)
 VARIANTS = ("paper", "reference")
 HPARAMS = {s.name: dict(s.test_kwargs) for s in SPECS}

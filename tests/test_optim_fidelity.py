@@ -27,7 +27,9 @@ from optim import SAGM, SAM, SAMPLe
 from optim.build import OPTIMIZER_REGISTRY, build_optimizer, list_optimizers
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-SPECS = list_optimizers("sharpness")
+# the cheaper members (``efficient``: second pass skipped or none) have their own suite,
+# tests/test_optim_efficient.py
+SPECS = [s for s in list_optimizers("sharpness") if not s.efficient]
 SHAPES = [(3, 4), (2, 3, 2), (5,)]  # a prompt-like matrix, a 3-D tensor, a vector
 RHO, ALPHA, LAM, SIGMA, LR = 0.3, 0.08, 0.4, 0.7, 0.05
 HP = {"rho": RHO, "alpha": ALPHA, "lam": LAM, "sigma": SIGMA}

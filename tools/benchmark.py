@@ -8,7 +8,9 @@ The command line of two modules cut along their jobs:
 - :mod:`tools.benchmark_runs` (``--runs``): whole ``train.py`` runs (fixed cost as a process and
   in-process, runs per process with several workers, the paper grid's device-hours);
 - :mod:`tools.benchmark_memory` (``--memory``): the peak memory of a training step per trainer at
-  100 and 1,000 classes, plain and with the text-memory options.
+  100 and 1,000 classes, plain and with the text-memory options;
+- :mod:`tools.benchmark_efficient` (``--efficient``): the step of the cheaper sharpness-aware
+  optimizers (LookSAM, SAMPLe-k, ESAM, RWP, m-RWP, SAF, MESA) relative to SGD.
 
 Usage::
 
@@ -17,6 +19,7 @@ Usage::
     python tools/benchmark.py --device cpu --optims sgd,sample # full size on CPU (~20 minutes)
     python tools/benchmark.py --runs --json runs.json          # whole-run costs
     python tools/benchmark.py --memory --small --device cpu    # peak memory per trainer
+    python tools/benchmark.py --efficient --small --json e.json  # LookSAM, ESAM, SAF, ... vs SGD
 
 The public names of both modules are importable from here as before.
 """
@@ -33,6 +36,14 @@ import torch
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
+from tools.benchmark_efficient import (  # noqa: E402
+    EFFICIENT_OPTIMIZERS,
+    EFFICIENT_STEPS_PER_CALL,
+    EFFICIENT_TARGETS,
+    EFFICIENT_TRAINERS,
+    efficient_costs,
+    print_efficient_costs,
+)
 from tools.benchmark_memory import (  # noqa: E402
     MEMORY_CHUNK,
     MEMORY_CLASSES,
@@ -181,6 +192,12 @@ __all__ = [
     "memory_report",
     "memory_row",
     "print_memory_report",
+    "EFFICIENT_OPTIMIZERS",
+    "EFFICIENT_STEPS_PER_CALL",
+    "EFFICIENT_TARGETS",
+    "EFFICIENT_TRAINERS",
+    "efficient_costs",
+    "print_efficient_costs",
 ]
 
 logger = logging.getLogger("benchmark")
@@ -254,6 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(str(c) for c in MEMORY_CLASSES),
         help="comma-separated class counts (default 100,1000)",
     )
+    eff = parser.add_argument_group("cheaper sharpness-aware optimizers (--efficient)")
+    eff.add_argument(
+        "--efficient",
+        action="store_true",
+        help="measure instead the step of LookSAM, SAMPLe-k5, ESAM, RWP, m-RWP, SAF, MESA (and "
+        "SAM, SAMPLe) relative to the SGD step, interleaved in one process "
+        "(docs/efficient-sharpness.md)",
+    )
+    eff.add_argument(
+        "--efficient-trainers",
+        default=",".join(EFFICIENT_TRAINERS),
+        help="comma-separated (default CoOp,CoCoOp,MaPLe)",
+    )
     runs = parser.add_argument_group("whole runs (--runs)")
     runs.add_argument(
         "--runs",
@@ -304,6 +334,13 @@ def main(argv=None) -> int:
             print(f"FAILED measurements (tracebacks above): {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
     t0 = time.perf_counter()
+    if args.efficient:
+        result = efficient_costs(args)
+        print_efficient_costs(result)
+        print(f"\nTotal time: {time.perf_counter() - t0:.0f} s")
+        if args.json:
+            write_json(args.json, result)
+        return 0
     result, failed = run(args)
     print_report(result)
     print(f"\nTotal time: {time.perf_counter() - t0:.0f} s")

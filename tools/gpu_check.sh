@@ -1,6 +1,7 @@
 #!/bin/bash
-# The GPU measurements of issue 12 as one prepared script for a lent device (about 9.5 minutes on
-# an H100/H200; every part has its own time limit, so a slow part cannot starve the others).
+# The GPU measurements of issues 12 and 22 as one prepared script for a lent device (about 12
+# minutes on an H100/H200; every part has its own time limit, so a slow part cannot starve the
+# others).
 #
 # Prepare on the CPU machine (the device has torch but not these packages):
 #   pip download --no-deps -d wheels open-clip-torch==3.3.0 yacs==0.1.8 ftfy wcwidth tabulate
@@ -16,9 +17,12 @@
 #                    training step of CoOp, KgCoOp, MaPLe, PromptSRC at 100 and 1,000 classes,
 #                    plain and with MODEL.TEXT_CHUNK / MODEL.CHECKPOINT_TEXT (random ViT-B/16,
 #                    the configs' fp16); at most 4 minutes (MEMORY_LIMIT)
+#   efficient.json/.log  tools/benchmark.py --efficient --device cuda: the step of LookSAM,
+#                    SAMPLe-k5, ESAM, RWP, m-RWP, SAF, MESA (and SAM, SAMPLe) relative to SGD for
+#                    CoOp, CoCoOp, MaPLe, eager (EFFICIENT_LIMIT s, default 150)
 #   nvidia-smi.txt
-# GPU_CHECK_PARTS picks parts (default "steps runs memory", up to 13.5 minutes: more than one
-# device call allows, so give a call one or two parts, e.g. GPU_CHECK_PARTS=memory).
+# GPU_CHECK_PARTS picks parts (default "steps runs memory efficient", up to 16 minutes: more than
+# one device call allows, so give a call one or two parts, e.g. GPU_CHECK_PARTS=memory).
 # GPU_CHECK_SMALL=1 runs the same sequence on CPU with --small and tiny runs (a smoke test).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
@@ -27,13 +31,15 @@ mkdir -p "$OUT"
 if compgen -G "wheels/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps wheels/*.whl || exit 1
 fi
-PARTS=" ${GPU_CHECK_PARTS:-steps runs memory} "
+PARTS=" ${GPU_CHECK_PARTS:-steps runs memory efficient} "
 if [[ ${GPU_CHECK_SMALL:-0} == 1 ]]; then
   STEPS=(--small --device cpu --steps 1 --warmup 0 --compile aot_eager)
+  EFF=(--small --device cpu --steps 1 --warmup 0)
   RUNS=(--device cpu --run-epochs 1 --run-repeats 1 --run-workers 1 --packed-runs 2)
   MEMORY=(--small --device cpu --memory-classes 20,40 --memory-chunk 10)
 else
   STEPS=(--device cuda)
+  EFF=(--device cuda --steps 5 --warmup 1 --compile off)
   RUNS=(--device cuda --run-workers 1,2,4,8)
   MEMORY=(--device cuda --memory-chunk 100)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
@@ -65,4 +71,10 @@ timeout "${RUNS_LIMIT:-200}" $PY tools/benchmark.py --runs "${RUNS[@]}" ${STEP_M
   --json "$OUT/runs.json" > "$OUT/runs.log" 2>&1
 echo "runs: exit $?"
 tail -n 30 "$OUT/steps.log" "$OUT/runs.log"
+fi
+if [[ $PARTS == *" efficient "* ]]; then
+  timeout "${EFFICIENT_LIMIT:-150}" $PY tools/benchmark.py --efficient "${EFF[@]}" \
+    --efficient-trainers CoOp,CoCoOp,MaPLe --json "$OUT/efficient.json" > "$OUT/efficient.log" 2>&1
+  echo "efficient: exit $?"
+  tail -n 35 "$OUT/efficient.log"
 fi

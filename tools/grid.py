@@ -29,6 +29,7 @@ Examples::
         --seeds 1 2 3 --data DATA -- MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
     python tools/grid.py --preset paper-transfer --slurm --slurm-partition gpu --data DATA
     python tools/grid.py --preset sweep --dry-run     # Figure 3: rho and lambda sweeps
+    python tools/grid.py --preset efficient --trainers CoOp --dry-run   # LookSAM, ESAM, SAF, ...
     python tools/grid.py --preset sweep-rho --trainers CoOp --datasets dtd \
         --sweep OPTIM.SAM.RHO 0.02 0.1 --data DATA   # own values; tools/plot_sweep.py plots them
 
@@ -143,6 +144,23 @@ PRESETS = {
         ),
     ),
 }
+# The cheaper sharpness-aware optimizers beside SGD, SAM and SAMPLe in the paper's protocols
+# (docs/efficient-sharpness.md); "sample_k5" is SAMPLe with a lookahead of 5 (OPTIM.SAM.EVERY)
+EFFICIENT_OPTIMIZERS = (
+    "sgd",
+    "sam",
+    "sample",
+    "looksam",
+    "sample_k5",
+    "esam",
+    "rwp",
+    "mrwp",
+    "saf",
+    "mesa",
+)
+PRESETS["efficient-base2new"] = (SubGrid(("base2new",), TRAINERS, EFFICIENT_OPTIMIZERS),)
+PRESETS["efficient-transfer"] = (SubGrid(_TRANSFER, TRAINERS, EFFICIENT_OPTIMIZERS),)
+PRESETS["efficient"] = PRESETS["efficient-base2new"] + PRESETS["efficient-transfer"]
 PRESETS["paper"] = PRESETS["paper-base2new"] + PRESETS["paper-transfer"]
 PRESETS["extra"] = PRESETS["extra-base2new"] + PRESETS["extra-transfer"]
 PRESETS["sweep"] = PRESETS["sweep-rho"] + PRESETS["sweep-lambda"]
@@ -355,7 +373,12 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", choices=sorted(PRESETS), help="the paper's grids")
     g.add_argument("--protocols", nargs="+", choices=PROTOCOLS, help="default: base2new")
     g.add_argument("--trainers", nargs="+", help=f"e.g. {' '.join(TRAINERS + EXTRA_TRAINERS)}")
-    g.add_argument("--optims", nargs="+", help=f"e.g. {' '.join(OPTIMIZERS)} (default: sample)")
+    g.add_argument(
+        "--optims",
+        nargs="+",
+        help=f"e.g. {' '.join(OPTIMIZERS)}, or the cheaper "
+        f"{' '.join(o for o in EFFICIENT_OPTIMIZERS if o not in OPTIMIZERS)} (default: sample)",
+    )
     g.add_argument(
         "--datasets",
         nargs="+",

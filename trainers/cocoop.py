@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.clip import TextEncoder, load_clip
@@ -203,7 +202,7 @@ class CoCoOp(TrainerX):
     def compute_loss(self, inputs):
         image_features, label = inputs
         logits = self.model.logits(image_features, self.model.encode_text(image_features))
-        loss = F.cross_entropy(logits.float(), label)
+        loss = self.classification_loss(logits, label)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
 
     def model_outputs(self, image):

@@ -155,7 +155,7 @@ class PromptTrainer(TrainerX):
     def compute_loss(self, inputs):
         image_features, label = inputs
         logits = self.model.logits(image_features, self.model.encode_text())
-        loss = F.cross_entropy(logits.float(), label)
+        loss = self.classification_loss(logits, label)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
 
     def kg_regularised_loss(self, inputs, t_clip: torch.Tensor, weight: float):
@@ -163,7 +163,7 @@ class PromptTrainer(TrainerX):
         image_features, label = inputs
         text_features = self.model.encode_text()
         logits = self.model.logits(image_features, text_features)
-        ce = F.cross_entropy(logits.float(), label)
+        ce = self.classification_loss(logits, label)
         kg = kg_loss(text_features, t_clip)
         loss = ce + weight * kg
         summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}

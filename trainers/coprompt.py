@@ -336,6 +336,12 @@ class CoPrompt(MaPLe):
             "description_index": index,
         }
 
+    def select_inputs(self, inputs, subset, size):
+        """The per-item entries of the prepared inputs (the class-level teacher text features
+        and the description index are the batch's, whatever the number of classes)."""
+        per_item = ("image", "label", "image_teacher")
+        return {k: v[subset] if k in per_item else v for k, v in inputs.items()}
+
     def distill(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         student, teacher = student.float(), teacher.float()
         if self.cfg.TRAINER.COPROMPT.DISTILL_LOSS == "mse":
@@ -348,7 +354,7 @@ class CoPrompt(MaPLe):
         image_features = self.model.encode_image(inputs["image"], prompts)
         text_features = self.model.encode_text(prompts)
         logits = self.model.logits(image_features, text_features)
-        ce = F.cross_entropy(logits.float(), label)
+        ce = self.classification_loss(logits, label)
         distill = self.distill(text_features, inputs["text_teacher"]) + self.distill(
             image_features, inputs["image_teacher"]
         )

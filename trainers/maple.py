@@ -42,7 +42,6 @@ import logging
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.clip import (
@@ -292,7 +291,7 @@ class MaPLe(TrainerX):
         prompts = self.model.prompt_learner()
         image_features = self.model.encode_image(image, prompts)
         logits = self.model.logits(image_features, self.model.encode_text(prompts))
-        loss = F.cross_entropy(logits.float(), label)
+        loss = self.classification_loss(logits, label)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
 
     def before_test(self):

@@ -248,7 +248,7 @@ class PromptSRC(IVLP):
         image_features = self.model.encode_image(image, prompts)
         text_features = self.model.encode_text(prompts)
         logits = self.model.logits(image_features, text_features)
-        ce = F.cross_entropy(logits.float(), label)
+        ce = self.classification_loss(logits, label)
         terms = promptsrc_losses(
             logits,
             zs_logits,
