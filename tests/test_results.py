@@ -294,3 +294,42 @@ def test_one_dataset_has_no_average_and_no_ablation(tmp_path):
     assert "Base-to-new: DTD" in titles and not any("ablation" in t.name for t in tables)
     empty = make_tables.build_parser().parse_args([*argv, "--show-empty", "--trainers", "CoOp"])
     make_tables.build_tables(empty)  # no runs of the grid's rows: no crash
+
+
+def test_cost_table_beside_the_accuracy(tmp_path, capsys):
+    # cost.json of each training run (engine/cost.py): time per run, relative to the trainer's
+    # SGD runs on the same dataset and seed, step time, peak memory; a run without one is noted
+    import json
+
+    from tools.protocols import base2new_dirs
+
+    out = str(tmp_path / "output")
+    setup = Setup(output=out)
+    times = {("sgd", 1): 100.0, ("sgd", 2): 120.0, ("sample", 1): 130.0, ("sample", 2): 150.0}
+    for optim in ("sgd", "sample"):
+        fake_base2new(setup, "CoOp", optim, "dtd", (1, 2, 3))
+        comp = cfg_component(setup.cfg_for("base2new", "CoOp", "dtd"), optim)
+        for seed in (1, 2):  # seed 3 has no cost.json (a run from before it existed)
+            train, _ = base2new_dirs(setup, "dtd", "CoOp", comp, seed)
+            cost = {"steps": 200, "train_time_s": times[optim, seed]}
+            cost |= {"mean_step_s": times[optim, seed] / 200, "peak_cpu_rss_mb": 500.0 + seed}
+            cost["peak_cuda_mb"] = None
+            with open(osp.join(train, "cost.json"), "w") as f:
+                json.dump(cost, f)
+    argv = ["--output", out, "--trainers", "CoOp", "--optims", "sgd", "sample"]
+    argv += ["--datasets", "dtd", "--seeds", "1", "2", "3"]
+    assert make_tables.main(argv) == 0
+    assert "Training cost" not in capsys.readouterr().out  # an option of the printed tables
+    assert make_tables.main([*argv, "--cost", "--format", "csv"]) == 0
+    printed = capsys.readouterr().out
+    tables = make_tables.build_tables(make_tables.build_parser().parse_args([*argv, "--cost"]))
+    cost = next(t for t in tables if t.name == "cost")
+    rows = {r[0]: [c.value for c in r[1:]] for r in cost.rows}
+    assert rows["CoOp"] == pytest.approx([110.0, 1.0, 550.0, 501.5, 2.0])
+    assert rows["CoOp+SAMPLe"] == pytest.approx([140.0, 280 / 220, 700.0, 501.5, 2.0])
+    assert any("1 training run(s) without cost.json" in n for n in cost.notes)
+    assert "train_time_s" in printed and "time_over_sgd" in printed
+    report = tmp_path / "report"
+    assert make_tables.main([*argv, "--report", str(report)]) == 0  # always in the report
+    html = (report / "index.html").read_text()
+    assert "Training cost per run" in html and "1.27" in html

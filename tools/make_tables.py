@@ -58,6 +58,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
+from tools.cost_table import cost_table  # noqa: E402
 from tools.grid import (  # noqa: E402
     GridError,
     add_grid_args,
@@ -532,6 +533,9 @@ def build(args) -> Results:
         if table in wanted and targets[table] and rows:
             tables.append(transfer_table(stats, rows, table, targets[table]))
             add_transfer_diffs(tables[-1], stats, pairs, targets[table], delta)
+    if getattr(args, "cost", False) or getattr(args, "report", None):  # the report always has it
+        cost = cost_table(folders, kinds, [r for r in grid_rows if any(k[1:3] == r for k in stats)])
+        tables += [cost] if cost else []
     return Results(tables, stats, folders, grid_rows, datasets, targets, pairs)
 
 
@@ -573,6 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="add the seeds that would resolve each difference (the observed one, or DELTA "
         "points) with a paired t-test: 95%% interval, 80%% power, the observed seed spread",
     )
+    parser.add_argument(
+        "--cost",
+        action="store_true",
+        help="add the training cost per method (time per run, relative to its trainer's SGD "
+        "runs, step time, peak memory; from each run's cost.json); always in --report",
+    )
     parser.add_argument("--report", metavar="DIR", help="write the HTML report DIR/index.html")
     return parser
 
@@ -594,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
+    if not args.cost:  # the cost table goes to the report only
+        tables = [t for t in tables if t.name != "cost"]
     if not tables:
         print(f"No run folders of this grid under {args.output}.", file=sys.stderr)
         return 1

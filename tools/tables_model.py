@@ -88,7 +88,8 @@ class Table:
     """A format-independent table: title, headers, rows ``[label, Cell, ...]`` and notes.
 
     A values table may carry ``diffs``: its paired comparisons, a table of the same columns
-    whose rows are ``[label, DiffCell, ...]`` (rendered right under it).
+    whose rows are ``[label, DiffCell, ...]`` (rendered right under it). ``formats``: one format
+    spec per cell column for a table of plain numbers (no paper values, e.g. the cost table).
     """
 
     name: str
@@ -98,6 +99,7 @@ class Table:
     records: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     diffs: Table | None = None
+    formats: list[str] | None = None
 
     @property
     def seeds_text(self) -> str:
@@ -214,6 +216,12 @@ def render_rows(table: Table, std: bool, mark: str = MARK) -> list[list[str]]:
     out = []
     for label, *cells in table.rows:
         row = [label]
+        if table.formats:
+            row += [
+                "-" if c.value is None else format(c.value, f) for c, f in zip(cells, table.formats)
+            ]
+            out.append(row)
+            continue
         for cell in cells:
             if isinstance(cell, DiffCell):
                 row.append(diff_text(cell, mark))
