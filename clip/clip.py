@@ -4,8 +4,9 @@
 weights (``load_clip_to_cpu``): here ``_download`` resolves them with the project's weight
 resolution (:func:`engine.clip.ensure_weights`: ``MODEL.BACKBONE.PATH``, ``~/.cache/clip``
 downloaded and checked on first use, open_clip's cache) for the config of the trainer being
-built, so ``MODEL.BACKBONE.PATH`` / ``MODEL.BACKBONE.CONFIG`` work as for the project's trainers. ``build_model`` and ``load``
-return :class:`clip.model.CLIP`, OpenAI's model interface over an open_clip model.
+built, so ``MODEL.BACKBONE.PATH`` / ``MODEL.BACKBONE.CONFIG`` work as for the project's trainers.
+``build_model`` and ``load`` return :class:`clip.model.CLIP`, OpenAI's model interface over an
+open_clip model.
 """
 
 from __future__ import annotations
