@@ -68,6 +68,7 @@ from tools.grid import (  # noqa: E402
 )
 from tools.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
+    OPTIMIZER_TITLES,
     OPTIMIZERS,
     TARGETS_BY_TABLE,
     TRAINERS,
@@ -276,9 +277,11 @@ def ablation_table(average: Table, compare: bool) -> Table | None:
 
 # -- paired comparisons -----------------------------------------------------------------------
 def parse_method(text: str) -> tuple[str, str]:
-    """``CoOp+SAMPLe``, ``CoOp+sample`` -> ``(CoOp, sample)``; ``CoOp``, ``CoOp+sgd`` -> sgd."""
+    """``CoOp+SAMPLe``, ``CoOp+sample`` -> ``(CoOp, sample)``; ``CoOp``, ``CoOp+sgd`` -> sgd;
+    a row title (``CoOp+SAMPLe-k5``, ``CoOp+m-RWP``) -> its optimizer name."""
     trainer, _, optim = text.partition("+")
-    return trainer, optim.lower() or "sgd"
+    by_title = {title.lower(): name for name, title in OPTIMIZER_TITLES.items() if title}
+    return trainer, by_title.get(f"+{optim}".lower(), optim.lower()) or "sgd"
 
 
 def comparison_pairs(rows: list[tuple[str, str]], compare: list[list[str]] | None) -> list[Pair]:

@@ -84,6 +84,16 @@ DATASET_TITLES = {
     "imagenet_r": "ImageNet-R",
 }
 OPTIMIZER_TITLES = {"sgd": "", "sam": "+SAM", "fsam": "+FSAM", "sagm": "+SAGM", "sample": "+SAMPLe"}
+# the cheaper sharpness-aware optimizers (docs/efficient-sharpness.md); not in the paper
+OPTIMIZER_TITLES |= {
+    "looksam": "+LookSAM",
+    "sample_k5": "+SAMPLe-k5",
+    "esam": "+ESAM",
+    "rwp": "+RWP",
+    "mrwp": "+m-RWP",
+    "saf": "+SAF",
+    "mesa": "+MESA",
+}
 
 
 MODE_SEP = "@"  # "sample@released": an optimizer row of one reproduction mode (make_tables.py)
