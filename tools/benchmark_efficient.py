@@ -29,28 +29,17 @@ from tools.benchmark_steps import (
     synthetic_batch,
     write_json,
 )
+from tools.paper_results import EFFICIENT_OPTIMIZERS
 
 logger = logging.getLogger("benchmark")
 
-# docs/efficient-sharpness.md. Every optimizer below is timed against the trainer's SGD step in
+# docs/efficient-sharpness.md. Every optimizer of EFFICIENT_OPTIMIZERS is timed against the trainer's SGD step in
 # one process, interleaved (efficient_measure: wall and process-CPU time; --steps rounds after
-# --warmup), on the trainer's base-to-new config (its published
-# batch) with its configs/optim/<trainer>/<name>.yaml. A timed call is EFFICIENT_STEPS_PER_CALL
+# --warmup), on the trainer's base-to-new config (its published batch) with its
+# configs/optim/<trainer>/<name>.yaml. A timed call is EFFICIENT_STEPS_PER_CALL
 # consecutive steps (one period of the k = 5 lookahead, so LookSAM and SAMPLe-k5 are timed over
 # their ascent and the steps between); SAF/MESA's trajectory term is on from the first step
 # (OPTIM.SAM.TRAJ_START 0; SAF at an epoch with records E epochs back: the KL is computed).
-EFFICIENT_OPTIMIZERS = (
-    "sgd",
-    "sam",
-    "sample",
-    "looksam",
-    "sample_k5",
-    "esam",
-    "rwp",
-    "mrwp",
-    "saf",
-    "mesa",
-)
 EFFICIENT_TRAINERS = ("CoOp", "CoCoOp", "MaPLe")
 EFFICIENT_STEPS_PER_CALL = 5
 EFFICIENT_CLASSES = 50  # base half of a typical dataset, whatever --small

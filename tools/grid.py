@@ -70,6 +70,7 @@ if __package__ in (None, ""):  # run as a script
 from tools.grid_exec import GridError, Progress, execute_chain  # noqa: E402
 from tools.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
+    EFFICIENT_OPTIMIZERS,
     EXTRA_TRAINERS,
     OPTIMIZERS,
     TRAINERS,
@@ -144,20 +145,6 @@ PRESETS = {
         ),
     ),
 }
-# The cheaper sharpness-aware optimizers beside SGD, SAM and SAMPLe in the paper's protocols
-# (docs/efficient-sharpness.md); "sample_k5" is SAMPLe with a lookahead of 5 (OPTIM.SAM.EVERY)
-EFFICIENT_OPTIMIZERS = (
-    "sgd",
-    "sam",
-    "sample",
-    "looksam",
-    "sample_k5",
-    "esam",
-    "rwp",
-    "mrwp",
-    "saf",
-    "mesa",
-)
 PRESETS["efficient-base2new"] = (SubGrid(("base2new",), TRAINERS, EFFICIENT_OPTIMIZERS),)
 PRESETS["efficient-transfer"] = (SubGrid(_TRANSFER, TRAINERS, EFFICIENT_OPTIMIZERS),)
 PRESETS["efficient"] = PRESETS["efficient-base2new"] + PRESETS["efficient-transfer"]

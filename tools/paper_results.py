@@ -96,6 +96,22 @@ OPTIMIZER_TITLES |= {
 }
 
 
+# The cheaper sharpness-aware optimizers beside SGD, SAM and SAMPLe in the paper's protocols
+# (docs/efficient-sharpness.md); "sample_k5" is SAMPLe with a lookahead of 5 (OPTIM.SAM.EVERY)
+EFFICIENT_OPTIMIZERS = (
+    "sgd",
+    "sam",
+    "sample",
+    "looksam",
+    "sample_k5",
+    "esam",
+    "rwp",
+    "mrwp",
+    "saf",
+    "mesa",
+)
+
+
 MODE_SEP = "@"  # "sample@released": an optimizer row of one reproduction mode (make_tables.py)
 
 
