@@ -33,9 +33,9 @@ from tools.paper_results import EFFICIENT_OPTIMIZERS
 
 logger = logging.getLogger("benchmark")
 
-# docs/efficient-sharpness.md. Every optimizer of EFFICIENT_OPTIMIZERS is timed against the trainer's SGD step in
-# one process, interleaved (efficient_measure: wall and process-CPU time; --steps rounds after
-# --warmup), on the trainer's base-to-new config (its published batch) with its
+# docs/efficient-sharpness.md. Every optimizer of EFFICIENT_OPTIMIZERS is timed against the
+# trainer's SGD step in one process, interleaved (efficient_measure: wall and process-CPU time;
+# --steps rounds after --warmup), on the trainer's base-to-new config (its published batch) with its
 # configs/optim/<trainer>/<name>.yaml. A timed call is EFFICIENT_STEPS_PER_CALL
 # consecutive steps (one period of the k = 5 lookahead, so LookSAM and SAMPLe-k5 are timed over
 # their ascent and the steps between); SAF/MESA's trajectory term is on from the first step
