@@ -593,15 +593,18 @@ class TrainerX(SimpleTrainer):
         """
         raise NotImplementedError
 
-    def classification_loss(self, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        """The cross-entropy of a training pass, ``F.cross_entropy(logits.float(), label)``.
+    def classification_loss(
+        self, logits: torch.Tensor, label: torch.Tensor, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        """The cross-entropy of a training pass, ``F.cross_entropy(logits.float(), label)``
+        (with ``label_smoothing`` if given).
 
         Records the pass's logits and labels for the optimizer step
         (:class:`optim.step.PassOutputs`: per-item losses, the outputs of SAF/MESA); every
         trainer computes its classification loss through it.
         """
-        ce = F.cross_entropy(logits.float(), label)
-        self._pass_outputs = PassOutputs(logits, label, ce)
+        ce = F.cross_entropy(logits.float(), label, label_smoothing=label_smoothing)
+        self._pass_outputs = PassOutputs(logits, label, ce, label_smoothing)
         return ce
 
     def select_inputs(self, inputs, subset: torch.Tensor, size: int):

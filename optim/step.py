@@ -60,17 +60,21 @@ class PassOutputs(NamedTuple):
         logits: ``[batch, n_cls]`` (with the pass's graph when it ran with gradients).
         label: ``[batch]`` class indices.
         ce: the mean cross-entropy the trainer's loss contains (the tensor it added), or None.
+        label_smoothing: the label smoothing of that cross-entropy (per-item losses use it too).
     """
 
     logits: Tensor
     label: Tensor
     ce: Tensor | None = None
+    label_smoothing: float = 0.0
 
     def sample_loss(self, graph: bool = False) -> Tensor:
         """Per-item cross-entropy ``[batch]`` (fp32 at least; with the pass's graph if asked)."""
         logits = self.logits if graph else self.logits.detach()
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, self.label, reduction="none")
+        return F.cross_entropy(
+            logits, self.label, reduction="none", label_smoothing=self.label_smoothing
+        )
 
 
 NO_OUTPUTS = (

@@ -584,3 +584,18 @@ def test_compiled_steps_match_eager(name, tmp_path, dtd_root, deep_opts):
     assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6)
     for x, y in zip(p1, p2, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_recorded_outputs_keep_the_trainers_label_smoothing():
+    # a trainer whose cross-entropy is label-smoothed records it: the per-item losses the
+    # optimizers read (ESAM's selection, its masked pass) are the items of that same loss
+    import torch.nn.functional as F
+
+    from optim.step import PassOutputs
+
+    g = torch.Generator().manual_seed(0)
+    logits, label = torch.randn(6, 4, generator=g), torch.tensor([0, 1, 2, 3, 0, 1])
+    ce = F.cross_entropy(logits, label, label_smoothing=0.2)
+    items = PassOutputs(logits, label, ce, 0.2).sample_loss()
+    torch.testing.assert_close(items.mean(), ce)
+    assert not torch.allclose(items, PassOutputs(logits, label, ce).sample_loss())

@@ -13,7 +13,6 @@ that they pick both up without any edit to the suites.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.registry import TRAINER_REGISTRY
 from engine.utils import compute_accuracy
@@ -87,5 +86,7 @@ class LabelSmoothCoOp(CoOp):
         image_features, label = inputs
         logits = self.model.logits(image_features, self.model.encode_text())
         smoothing = self.trainer_cfg().SMOOTHING
-        loss = F.cross_entropy(logits.float(), label, label_smoothing=smoothing)
+        # through classification_loss: the optimizers that read the pass's logits (ESAM, SAF,
+        # MESA) get them, with the same smoothing in their per-item losses
+        loss = self.classification_loss(logits, label, label_smoothing=smoothing)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
