@@ -4,6 +4,7 @@ its worker is killed."""
 
 from __future__ import annotations
 
+import json
 import os
 import os.path as osp
 import re
@@ -57,6 +58,20 @@ def last_log(folder: str) -> str:
         return f.read()
 
 
+MEASURED = ("train_time_s", "mean_step_s", "peak_cpu_rss_mb", "peak_cuda_mb")
+
+
+def counted_cost(cost: dict, segments: bool = True) -> dict:
+    """A run's cost.json without what is measured (times, memory): what it counted (a resumed
+    run has a segment per process: ``segments`` False compares the totals only)."""
+    out = {k: v for k, v in cost.items() if k not in MEASURED and k != "segments"}
+    if segments:
+        out["segments"] = [
+            {k: v for k, v in s.items() if k not in MEASURED} for s in cost["segments"]
+        ]
+    return out
+
+
 def assert_same_runs(a: str, b: str, resumed: bool = False) -> None:
     """Same files, bit for bit (checkpoints, scalars, splits), same configs up to the output
     root, same numbers in the logs; ``resumed``: b's runs were interrupted and resumed, so only
@@ -79,6 +94,9 @@ def assert_same_runs(a: str, b: str, resumed: bool = False) -> None:
         if osp.basename(rel) == "log.txt":
             x, y = (numbers(t.decode()) for t in (x, y))
             assert x and x == y, rel
+        elif osp.basename(rel) == "cost.json":  # measured times and memory differ; what ran not
+            x, y = (counted_cost(json.loads(t), segments=not resumed) for t in (x, y))
+            assert x["steps"] and x == y, rel
         elif rel.endswith((".yaml", ".json")):
             assert x.replace(a.encode(), b"OUT") == y.replace(b.encode(), b"OUT"), rel
         else:  # checkpoints, scalars.jsonl, split files: bit for bit
