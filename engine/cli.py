@@ -151,7 +151,7 @@ def setup_cfg(args, notes: list | None = None):
     changed, and one per line returned by the trainer's ``translate_cfg``.
     """
     from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
-    from .plugins import env_plugins, load_plugins, plugins_in_files, plugins_in_opts, unique
+    from .plugins import env_plugins, load_plugins, plugins_in_files, plugins_in_opts
     from .registry import TRAINER_REGISTRY
     from .repro import apply_reproduction
 
@@ -160,14 +160,13 @@ def setup_cfg(args, notes: list | None = None):
         opts = opts[1:]
     opts = [*getattr(args, "leading_opts", []), *opts]
     files = [args.dataset_config_file, *args.config_file, getattr(args, "optim_config_file", "")]
-    plugins = unique(
-        [
-            *env_plugins(),
-            *plugins_in_files(files),
-            *(getattr(args, "plugin", None) or []),
-            *plugins_in_opts(opts),
-        ]
-    )
+    named = [
+        *env_plugins(),
+        *plugins_in_files(files),
+        *(getattr(args, "plugin", None) or []),
+        *plugins_in_opts(opts),
+    ]
+    plugins = [s for s in dict.fromkeys(named) if s.strip()]  # once each, first place kept
     load_plugins(plugins)  # before the defaults: a plugin trainer adds its config keys
     if not len(TRAINER_REGISTRY):
         raise RuntimeError(

@@ -45,6 +45,12 @@ def _is_file_spec(spec: str) -> bool:
     return spec.endswith(".py") or osp.isfile(spec)
 
 
+def absolute_spec(spec: str) -> str:
+    """A plugin as another process gets it (one that may start in another folder, e.g. a grid
+    run or a SLURM job): a file by its absolute path, a module name as it is."""
+    return osp.abspath(spec) if _is_file_spec(spec) else spec
+
+
 def _key(spec: str) -> str:
     return osp.realpath(spec) if _is_file_spec(spec) else spec
 
@@ -95,9 +101,9 @@ def _import_error(spec: str, e: Exception) -> ConfigError:
 
 
 def load_plugins(specs: Iterable[str]) -> list[str]:
-    """Import each plugin of ``specs`` once (see the module docstring); return the module
-    names, in order. A missing file, an unknown module or an import that fails raises
-    :class:`ConfigError` naming the plugin."""
+    """Import each plugin of ``specs`` once (see the module docstring; repeats are skipped);
+    return the module names, in order. A missing file, an unknown module or an import that
+    fails raises :class:`ConfigError` naming the plugin."""
     names = []
     for spec in specs:
         spec = str(spec).strip()
@@ -174,14 +180,3 @@ def _as_list(value, source: str) -> list[str]:
     raise ConfigError(
         f"PLUGINS in {source} must be a list of module names or .py paths, got {value!r}"
     )
-
-
-def unique(specs: Iterable[str]) -> list[str]:
-    """``specs`` without repeats, first occurrence kept."""
-    seen: set[str] = set()
-    out = []
-    for s in specs:
-        if s and s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out

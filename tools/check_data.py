@@ -39,7 +39,7 @@ from datasets.common import Layout  # noqa: E402
 from datasets.folder import PREFIX as FOLDER_PREFIX  # noqa: E402
 from datasets.folder import folder_layout, inspect_folder  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
-from engine.plugins import env_plugins, load_plugins, unique  # noqa: E402
+from engine.plugins import env_plugins, load_plugins  # noqa: E402
 from engine.registry import DATASET_REGISTRY  # noqa: E402
 
 READY, PARTIAL, MISSING = "ready", "partial", "missing"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        load_plugins(unique([*env_plugins(), *args.plugin]))
+        load_plugins([*env_plugins(), *args.plugin])
     except ConfigError as e:
         parser.error(str(e))
     names = args.names or list(PAPER_DATASETS)

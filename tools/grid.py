@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import os.path as osp
 import shlex
 import subprocess
 import sys
@@ -433,6 +432,8 @@ def grids_from_args(args) -> list[SubGrid]:
 
 
 def setup_from_args(args, opts: list[str] | None = None) -> Setup:
+    from engine.plugins import absolute_spec  # a run may start elsewhere: files by full path
+
     trainers = {t for g in grids_from_args(args) for t in g.trainers}
     cfgs = {}
     for item in args.cfg:
@@ -452,16 +453,8 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
         opts=tuple(opts or ()),
         cfgs=tuple(sorted(cfgs.items())),
         repro=repro_modes(args)[0],
-        plugins=tuple(plugin_spec(p) for p in getattr(args, "plugin", None) or []),
+        plugins=tuple(absolute_spec(p) for p in getattr(args, "plugin", None) or []),
     )
-
-
-def plugin_spec(spec: str) -> str:
-    """A ``--plugin`` as every run gets it: a .py file by its absolute path (runs may start in
-    another folder, e.g. SLURM jobs), a module name as it is."""
-    if spec.endswith(".py") or osp.isfile(spec):
-        return osp.abspath(spec)
-    return spec
 
 
 def repro_modes(args) -> list[str]:
