@@ -46,6 +46,7 @@ from optim.staging import total_epochs
 from optim.step import PassOutputs, StepBatch, build_step
 
 from .checkpoint import CheckpointMixin
+from .clip.text import shared_prefix_text
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
 from .cost import RunCost
 from .data import DataManager
@@ -640,12 +641,17 @@ class TrainerX(SimpleTrainer):
         """One pass for the step: ``(loss, recorded outputs or None)`` on the batch or on the
         items ``subset``. A smaller batch, and a pass without gradients (an optimizer's look at
         the outputs), run the compiled encoders eagerly: the compiled graphs are the training
-        pass's."""
+        pass's. A pass without gradients also encodes the class prompts' common prefix once
+        (:func:`engine.clip.text.shared_prefix_text`: the same outputs up to fp32 rounding)."""
         self._pass_outputs = None
         if subset is not None:
             inputs = self.select_inputs(inputs, subset, size)
-        other = subset is not None or not torch.is_grad_enabled()
-        with eager() if other and self.compiled_modules else nullcontext():
+        no_grad = not torch.is_grad_enabled()
+        other = subset is not None or no_grad
+        with (
+            eager() if other and self.compiled_modules else nullcontext(),
+            shared_prefix_text() if no_grad else nullcontext(),
+        ):
             loss, _ = self._loss(inputs)
         return loss, self._pass_outputs
 

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import open_clip
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
+from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
 _TOKENIZER = None
@@ -75,6 +78,99 @@ def full_length_prompts() -> Iterator[None]:
         yield
     finally:
         _FULL_LENGTH = previous
+
+
+SHARED_PREFIX_MIN = 2  # shortest common prefix worth encoding once (SOS + one more token)
+_SHARED_PREFIX = False  # set inside shared_prefix_text()
+
+
+@contextmanager
+def shared_prefix_text() -> Iterator[None]:
+    """Inside this block, a pass without gradients encodes the prompts' common prefix once.
+
+    The text tower is causal: the states of the first ``p`` tokens depend on those tokens only,
+    so when every prompt starts with the same ``p`` token embeddings (CoOp's ``[SOS][ctx]``, with
+    the class name after it) those states are the same for every prompt. Inside this block
+    :meth:`TextEncoder.encode_rows` computes them once and runs only each prompt's own tokens per
+    prompt (attending to the shared keys and values), and in the last block only the EOT token:
+    the same features in exact arithmetic, and within fp32 rounding (smaller matrix products
+    block their sums differently; tests/test_text_shared_prefix.py). It applies to passes
+    without gradients only (the engine turns it on for an optimizer's look at the outputs, e.g.
+    MESA's EMA model and ESAM's data selection: engine/trainer.py); training passes and
+    evaluation keep the plain path, whose outputs are unchanged.
+    """
+    global _SHARED_PREFIX
+    previous, _SHARED_PREFIX = _SHARED_PREFIX, True
+    try:
+        yield
+    finally:
+        _SHARED_PREFIX = previous
+
+
+def common_prefix_length(x: torch.Tensor) -> int:
+    """How many leading positions of ``x`` (``[n, L, ...]``) are equal in every row."""
+    same = (x == x[:1]).flatten(2).all(dim=2).all(dim=0)  # [L]
+    return int(same.to(torch.int32).cumprod(0).sum())
+
+
+def _neighbour_prefixes(x: torch.Tensor) -> torch.Tensor:
+    """``[n - 1]``: how many leading positions row ``r + 1`` of ``x`` shares with row ``r``."""
+    same = (x[1:] == x[:-1]).flatten(2).all(dim=2)  # [n - 1, L]
+    return same.to(torch.int32).cumprod(1).sum(1)
+
+
+class PrefixPlan(NamedTuple):
+    """Rows of consecutive prompts sharing their first ``length`` tokens: ``group`` ``[n]`` is
+    each row's group (non-decreasing), ``first`` ``[groups]`` each group's first row."""
+
+    length: int
+    group: torch.Tensor
+    first: torch.Tensor
+
+
+def _plan(group_starts: torch.Tensor, length: int) -> PrefixPlan:
+    """The plan whose groups begin at the rows where ``group_starts`` (``[n]`` bool) is True."""
+    return PrefixPlan(length, group_starts.cumsum(0) - 1, group_starts.nonzero().flatten())
+
+
+def plan_shared_prefix(x: torch.Tensor, eot_idx: torch.Tensor, plain_len: int) -> PrefixPlan | None:
+    """The cheapest way to share prompt prefixes among consecutive rows of ``x`` (``[n, L,
+    width]``; one group for CoOp's prompts, one per image for CoCoOp's), or None when sharing
+    saves nothing against encoding ``n`` rows of ``plain_len`` tokens. A prefix never reaches a
+    row's EOT. Cost counted in token rows: ``groups * length + n * (max EOT + 1 - length)``."""
+    n = x.shape[0]
+    if n < 2:
+        return None
+    shared = _neighbour_prefixes(x).clamp(max=int(eot_idx.min()))
+    seq = int(eot_idx.max()) + 1
+    best, best_cost = None, n * plain_len
+    for length in sorted(set(shared.tolist())):
+        if length < SHARED_PREFIX_MIN:
+            continue
+        cost = (1 + int((shared < length).sum())) * length + n * (seq - length)
+        if cost < best_cost:
+            best, best_cost = length, cost
+    if best is None:
+        return None
+    starts = torch.cat([shared.new_ones(1, dtype=torch.bool), shared < best])
+    return _plan(starts, best)
+
+
+def _supports_shared_prefix(block: nn.Module) -> bool:
+    """Whether :meth:`TextEncoder._shared_block` computes exactly what ``block`` does: open_clip's
+    plain pre-norm block with a batch-first, packed-projection, dropout-free attention."""
+    attn = getattr(block, "attn", None)
+    return (
+        type(block) is ResidualAttentionBlock
+        and not hasattr(block, "ln_1_kv")
+        and type(attn) is nn.MultiheadAttention
+        and attn.batch_first
+        and attn._qkv_same_embed_dim
+        and attn.in_proj_bias is not None
+        and attn.bias_k is None
+        and not attn.add_zero_attn
+        and (attn.dropout == 0 or not attn.training)
+    )
 
 
 def truncated_length(eot_idx: torch.Tensor, context_length: int = 77) -> int:
@@ -195,15 +291,106 @@ class TextEncoder(nn.Module):
         """The tower on one chunk of prompts: ``[rows, L, width]`` -> ``[rows, embed_dim]``."""
         seq_len = prompts.shape[1]
         x = prompts.to(self.dtype) + self.positional_embedding[:seq_len].to(self.dtype)
+        plan = self.prefix_plan(x, eot_idx)
+        if plan is not None:
+            return self.project(self.encode_shared_prefix(x, eot_idx, plan, layer_hook, row_args))
         mask = self.attn_mask[:seq_len, :seq_len]
         for i, block in enumerate(self.transformer.resblocks):
             if layer_hook is not None:
                 x = layer_hook(i, x, *row_args)
             x = block(x, attn_mask=mask)  # [rows, L, width]
+        return self.project(x[torch.arange(x.shape[0], device=x.device), eot_idx])
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the projection of the EOT states ``[rows, width]``."""
         x = self.ln_final(x)
-        x = x[torch.arange(x.shape[0], device=x.device), eot_idx]  # [rows, width]
         proj = self.text_projection
         return proj(x) if isinstance(proj, nn.Linear) else x @ proj
+
+    def prefix_plan(self, x: torch.Tensor, eot_idx: torch.Tensor) -> PrefixPlan | None:
+        """How :meth:`encode_shared_prefix` shares ``x``'s prefixes, or None for the plain path
+        (outside :func:`shared_prefix_text`, with gradients, for blocks it cannot reproduce,
+        or when no prefix of at least SHARED_PREFIX_MIN tokens saves work)."""
+        if not _SHARED_PREFIX or torch.is_grad_enabled():
+            return None
+        if not all(_supports_shared_prefix(b) for b in self.transformer.resblocks):
+            return None
+        return plan_shared_prefix(x, eot_idx, x.shape[1])
+
+    def encode_shared_prefix(
+        self,
+        x: torch.Tensor,
+        eot_idx: torch.Tensor,
+        plan: PrefixPlan,
+        layer_hook: LayerHook | None,
+        row_args: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """The EOT states ``[rows, width]`` of ``x`` (positions added), each group's common
+        prefix encoded once: ``h_p`` ``[groups, p, width]`` holds the shared states, ``h_s``
+        ``[rows, L - p, width]`` each prompt's own. A layer hook sees the whole
+        ``[rows, L, width]`` input of its block; where it makes a group's rows differ inside the
+        prefix, the prefix shrinks from that block on."""
+        x = x[:, : int(eot_idx.max()) + 1]  # nothing after the last EOT reaches an output
+        p, group, first = plan
+        h_p, h_s = x[first, :p], x[:, p:]
+        blocks = self.transformer.resblocks
+        for i, block in enumerate(blocks):
+            if layer_hook is not None:
+                full = layer_hook(i, torch.cat([h_p[group], h_s], 1), *row_args)
+                within = group[1:] == group[:-1]
+                if bool(within.any()):
+                    p = min(p, int(_neighbour_prefixes(full)[within].min()))
+                h_p, h_s = full[first, :p], full[:, p:]
+            last = i == len(blocks) - 1
+            h_p, h_s = self._shared_block(block, h_p, h_s, group, eot_idx if last else None)
+        return h_s[:, 0]  # the last block kept the EOT token only
+
+    @staticmethod
+    def _shared_block(
+        block: nn.Module,
+        h_p: torch.Tensor,
+        h_s: torch.Tensor,
+        group: torch.Tensor,
+        eot_idx: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One open_clip ``ResidualAttentionBlock`` on the split states: each group's prefix as
+        its own causal sequence, each prompt's tokens attending to its group's prefix and to its
+        own earlier tokens. With ``eot_idx`` (the last block) only each prompt's EOT query is
+        computed and ``h_s`` comes back as ``[rows, 1, width]``; the prefix is not updated."""
+        attn = block.attn
+        n, s, width = h_s.shape
+        p = h_p.shape[1]
+        heads = attn.num_heads
+
+        def split(t: torch.Tensor) -> torch.Tensor:  # [b, l, width] -> [b, heads, l, head_dim]
+            return t.unflatten(-1, (heads, width // heads)).transpose(1, 2)
+
+        w_q, w_kv = attn.in_proj_weight[:width], attn.in_proj_weight[width:]
+        b_q, b_kv = attn.in_proj_bias[:width], attn.in_proj_bias[width:]
+        a_p, a_s = block.ln_1(h_p), block.ln_1(h_s)
+        k_p, v_p = F.linear(a_p, w_kv, b_kv).chunk(2, -1)
+        k_s, v_s = F.linear(a_s, w_kv, b_kv).chunk(2, -1)
+        k = torch.cat([split(k_p)[group], split(k_s)], 2)  # [n, heads, p+s, head_dim]
+        v = torch.cat([split(v_p)[group], split(v_s)], 2)
+        key_pos = torch.arange(p + s, device=h_s.device)
+        if eot_idx is None:
+            rows, q_in = h_s, a_s
+            mask = key_pos <= (p + torch.arange(s, device=h_s.device))[:, None]  # [s, p+s]
+        else:
+            pick = (torch.arange(n, device=h_s.device), eot_idx - p)
+            rows, q_in = h_s[pick][:, None], a_s[pick][:, None]  # [n, 1, width]
+            mask = (key_pos <= eot_idx[:, None])[:, None, None]  # [n, 1, 1, p+s]
+        o = F.scaled_dot_product_attention(split(F.linear(q_in, w_q, b_q)), k, v, attn_mask=mask)
+        o = F.linear(o.transpose(1, 2).flatten(2), attn.out_proj.weight, attn.out_proj.bias)
+        h_s = rows + block.ls_1(o)
+        h_s = h_s + block.ls_2(block.mlp(block.ln_2(h_s)))
+        if eot_idx is None and p > 0:
+            q_p = split(F.linear(a_p, w_q, b_q))
+            o = F.scaled_dot_product_attention(q_p, split(k_p), split(v_p), is_causal=True)
+            o = F.linear(o.transpose(1, 2).flatten(2), attn.out_proj.weight, attn.out_proj.bias)
+            h_p = h_p + block.ls_1(o)
+            h_p = h_p + block.ls_2(block.mlp(block.ln_2(h_p)))
+        return h_p, h_s
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[n, L, width]`` (in the embedding's dtype)."""
