@@ -216,3 +216,20 @@ def test_mesa_teacher_pass_shares_the_prefix(deep_opts, tmp_path, monkeypatch):
     assert all(torch.equal(p, w) for p, w in zip(params, saved))  # the weights are back
     tr.forward_backward(batch)  # a whole step: the teacher pass shared, the training pass plain
     assert len(spy.calls) == 2
+
+
+@pytest.mark.parametrize("prec", ["fp16", "amp", "bf16"])
+def test_shared_prefix_in_half_precision(prec, deep_opts, tmp_path, monkeypatch):
+    """fp16 weights (CoOp's fp16), autocast (amp, bf16): the shared pass stays within the
+    half-precision rounding of the plain one."""
+    tr = build("CoOp", deep_opts, tmp_path, N_CLS, "TRAINER.COOP.PREC", prec)
+    want = torch.float16 if prec == "fp16" else torch.float32
+    assert tr.model.text_encoder.dtype == want
+    inputs = step_inputs(tr)
+    spy = Spy(monkeypatch)
+    with torch.no_grad(), tr.autocast():
+        plain = pass_logits(tr, inputs).float()
+        with shared_prefix_text():
+            shared = pass_logits(tr, inputs).float()
+    assert len(spy.calls) == 1 and torch.isfinite(shared).all()
+    assert (shared - plain).abs().max() <= 2e-2 * plain.abs().max()
