@@ -33,9 +33,10 @@ What a compiled encoder does (:class:`CompiledForward`, which replaces the modul
 - Compiled graphs are cached by ``torch._dynamo`` per code object, not per module: a second run
   in the same process (``tools/grid.py`` workers) with the same shapes reuses them without
   compiling again (``tests/test_compile.py`` counts the graphs).
-- A text encoder with a memory option on (``MODEL.TEXT_CHUNK`` / ``MODEL.CHECKPOINT_TEXT``,
-  engine/clip/text.py) is left eager: its forward is a Python loop of activation checkpoints,
-  whose recomputation in the backward would replay CUDA graphs outside their step. The image
+- A text encoder with a memory option on (``MODEL.TEXT_CHUNK`` / ``MODEL.CHECKPOINT_TEXT`` /
+  ``MODEL.SHARED_PREFIX``, engine/clip/text.py) is left eager: its forward is a Python loop of
+  activation checkpoints, whose recomputation in the backward would replay CUDA graphs outside
+  their step, or has shapes that depend on the prompts' values. The image
   encoders are compiled as usual (tests/test_text_memory.py).
 - ``reduce-overhead`` outputs live in a CUDA-graph memory pool that the next replay overwrites:
   they are cloned, and :func:`mark_step` starts each training step and evaluation batch.
@@ -303,8 +304,8 @@ def compile_encoders(model: nn.Module, mode: str) -> list[str]:
     logger.info("torch.compile (%s): %s", mode, ", ".join(compiled) or "no encoder found")
     if eager_text:
         logger.info(
-            "Not compiled (MODEL.TEXT_CHUNK / MODEL.CHECKPOINT_TEXT on: chunked, checkpointed "
-            "text encoding runs eagerly): %s",
+            "Not compiled (MODEL.TEXT_CHUNK / MODEL.CHECKPOINT_TEXT / MODEL.SHARED_PREFIX on: "
+            "chunked, checkpointed or prefix-shared text encoding runs eagerly): %s",
             ", ".join(eager_text),
         )
     return compiled

@@ -146,6 +146,13 @@ _C.MODEL.COMPILE = "auto"
 # encoder with either option on runs eagerly (MODEL.COMPILE still compiles the image encoders)
 _C.MODEL.TEXT_CHUNK = 0  # class prompts per pass through the text tower (0: all at once)
 _C.MODEL.CHECKPOINT_TEXT = False  # recompute each text chunk's activations in the backward
+# SHARED_PREFIX: the class prompts' common prefix (CoOp's [SOS][ctx], the same in every prompt)
+# goes through the causal text tower once in every pass, training included, instead of once per
+# class; the last block runs at the EOT token only. Same outputs and gradients up to fp32
+# rounding, a fraction of the text encoder's work and activations (engine/clip/text.py). Off:
+# only an optimizer's no-gradient look at the outputs (MESA, ESAM) shares the prefix. Runs the
+# text encoder eagerly, as the options above
+_C.MODEL.SHARED_PREFIX = False
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

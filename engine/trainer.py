@@ -365,7 +365,8 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             from .clip.text import set_text_memory
 
             check_input_size(cfg, self.model)  # the CLIP image tower's size
-            set_text_memory(self.model, cfg.MODEL.TEXT_CHUNK, cfg.MODEL.CHECKPOINT_TEXT)
+            m = cfg.MODEL
+            set_text_memory(self.model, m.TEXT_CHUNK, m.CHECKPOINT_TEXT, m.SHARED_PREFIX)
         if cfg.MODEL.COMPILE != AUTO:  # an explicit mode: evaluation-only runs compile too
             self.compile_model()
         self.optim_step = build_step(

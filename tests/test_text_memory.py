@@ -140,10 +140,20 @@ def test_benchmark_reports_the_peak_per_variant(tmp_path, monkeypatch):
     result, failed = memory_report(build_parser().parse_args(args))
     assert not failed and out.exists()
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"plain", "chunks", "checkpointed chunks"}
+    assert set(rows) == {
+        "plain",
+        "chunks",
+        "checkpointed chunks",
+        "shared prefix",
+        "shared prefix + checkpointed chunks",
+    }
     assert result["measure"].startswith("tensor accounting")
     for r in rows.values():
         assert r["classes"] == 200 and r["finite_loss"] and r["prec"] == "fp32"
         assert r["total_mb"] == pytest.approx(r["step_mb"] + r["resident_mb"])
     assert rows["checkpointed chunks"]["text_chunk"] == 20
     assert rows["checkpointed chunks"]["step_mb"] < 0.7 * rows["plain"]["step_mb"]
+    # CoOp's 16 + 1 shared tokens kept once, not per class: activations and time fall
+    assert rows["shared prefix"]["shared_prefix"] and not rows["plain"]["shared_prefix"]
+    assert rows["shared prefix"]["step_mb"] < 0.7 * rows["plain"]["step_mb"]
+    assert all(r["step_ms"] > 0 for r in rows.values())

@@ -15,6 +15,7 @@ from conftest import make_cfg
 from helpers import DEPTH, DTD_CLASSES, tiny_options
 
 import engine.clip.text as text_mod
+import engine.compile as ec
 from engine import build_trainer
 from engine.clip.text import (
     TextEncoder,
@@ -233,3 +234,57 @@ def test_shared_prefix_in_half_precision(prec, deep_opts, tmp_path, monkeypatch)
             shared = pass_logits(tr, inputs).float()
     assert len(spy.calls) == 1 and torch.isfinite(shared).all()
     assert (shared - plain).abs().max() <= 2e-2 * plain.abs().max()
+
+
+def loss_and_grads(tr, inputs):
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss, _ = tr._loss(inputs)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("trainer,dtype", CASES)
+def test_shared_prefix_option_gives_the_plain_gradients(trainer, dtype, deep_opts, tmp_path):
+    """MODEL.SHARED_PREFIX: every pass, training included, shares the prefix; the loss and every
+    learnable tensor's gradient equal the plain path's (float64 rounding / fp32 rounding)."""
+    got = []
+    for shared in (False, True):
+        torch.manual_seed(0)  # CoPrompt draws a description per pass
+        tr = build(trainer, deep_opts, tmp_path, N_CLS, "MODEL.SHARED_PREFIX", str(shared))
+        if hasattr(tr, "load_descriptions"):
+            tr.load_descriptions()
+        tr.model.to(dtype)
+        for m in tr.model.modules():
+            if isinstance(m.__dict__.get("dtype"), torch.dtype):
+                m.dtype = dtype
+        assert all(e.shared_prefix == shared for e in text_encoders(tr.model))
+        torch.manual_seed(1)
+        got.append(loss_and_grads(tr, step_inputs(tr, dtype=dtype)))
+    (loss, grads), (s_loss, s_grads) = got
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert abs(float(s_loss - loss)) <= tol * abs(float(loss))
+    for a, b in zip(s_grads, grads, strict=True):
+        assert (a - b).abs().max() <= tol * b.abs().max(), trainer
+
+
+def text_encoders(model):
+    return [m for m in model.modules() if isinstance(m, TextEncoder)]
+
+
+def test_shared_prefix_option_trains_and_is_left_eager(deep_opts, tmp_path, monkeypatch):
+    """A real step with the option: the training pass is prefix-shared; a compiled model leaves
+    such a text encoder eager (its shapes depend on the prompts)."""
+    tr = build("CoOp", deep_opts, tmp_path, N_CLS, "MODEL.SHARED_PREFIX", "True")
+    size = tr.cfg.INPUT.SIZE[0]
+    batch = {"img": torch.randn(4, 3, size, size), "label": torch.arange(4)}
+    tr.batch_idx, tr.num_batches = 0, 2
+    spy = Spy(monkeypatch)
+    before = tr.model.prompt_learner.ctx.detach().clone()
+    tr.forward_backward(batch)
+    assert len(spy.calls) == 1 and not torch.equal(before, tr.model.prompt_learner.ctx)
+    opts = ("MODEL.SHARED_PREFIX", "True", "MODEL.COMPILE", "eager")
+    compiled = build("CoOp", deep_opts, tmp_path, N_CLS, *opts)
+    assert compiled.compiled_modules == ["image_encoder"]  # the frozen ViT; not text_encoder
+    assert "text_encoder" not in ec.compiled_forwards(compiled.model)

@@ -252,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="measure the peak memory of a training step instead: CoOp, KgCoOp, TCP, CoCoOp, "
         "MaPLe and PromptSRC (or --trainers) at --memory-classes, plain, in text chunks of "
-        "--memory-chunk classes, and in checkpointed chunks (MODEL.TEXT_CHUNK, "
-        "MODEL.CHECKPOINT_TEXT)",
+        "--memory-chunk classes, in checkpointed chunks (MODEL.TEXT_CHUNK, "
+        "MODEL.CHECKPOINT_TEXT), with the shared prompt prefix (MODEL.SHARED_PREFIX) and with "
+        "both; each row also has the step's time",
     )
     memory.add_argument(
         "--memory-variants",

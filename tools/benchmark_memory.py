@@ -1,7 +1,9 @@
 """Peak memory of one training step per trainer at 100 and 1,000 classes (``--memory`` of
 ``tools/benchmark.py``), plain and with the text-memory options (``MODEL.TEXT_CHUNK``,
-``MODEL.CHECKPOINT_TEXT``): ``torch.cuda.max_memory_allocated`` on a GPU, engine.memory's tensor
-accounting on CPU (docs/backbones.md has the table)::
+``MODEL.CHECKPOINT_TEXT``, ``MODEL.SHARED_PREFIX``): ``torch.cuda.max_memory_allocated`` on a GPU,
+engine.memory's tensor accounting on CPU (docs/backbones.md has the table); each row also has
+the step's time (median of MEMORY_TIMED_STEPS steps after the measured one; process CPU time on
+CPU, so rows of one run compare)::
 
     python tools/benchmark.py --memory --small --device cpu --json docs/benchmarks/cpu_memory.json
 """
@@ -11,7 +13,10 @@ from __future__ import annotations
 import logging
 import os.path as osp
 import shutil
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -37,17 +42,35 @@ logger = logging.getLogger("benchmark")
 MEMORY_TRAINERS = ("CoOp", "KgCoOp", "TCP", "CoCoOp", "MaPLe", "PromptSRC")
 MEMORY_CLASSES = (100, 1000)
 MEMORY_CHUNK = 50  # classes per chunk of the rows with the memory options (--memory-chunk)
-# (MODEL.TEXT_CHUNK, MODEL.CHECKPOINT_TEXT) of each measured variant; None: --memory-chunk
+# (MODEL.TEXT_CHUNK, MODEL.CHECKPOINT_TEXT, MODEL.SHARED_PREFIX) of each measured variant;
+# None: --memory-chunk
 MEMORY_VARIANTS = {
-    "plain": (0, False),
-    "chunks": (None, False),
-    "checkpointed chunks": (None, True),
+    "plain": (0, False, False),
+    "chunks": (None, False, False),
+    "checkpointed chunks": (None, True, False),
+    "shared prefix": (0, False, True),
+    "shared prefix + checkpointed chunks": (None, True, True),
 }
+MEMORY_TIMED_STEPS = 3
 MEMORY_MEASURE = {
     "cuda": "torch.cuda.max_memory_allocated during the step, above the allocation before it",
     "cpu": "tensor accounting (engine.memory.TensorMemory): the largest sum of live tensor "
     "storages created during the step (forward, backward, recomputation, update)",
 }
+
+
+def timed(fn: Callable[[], None], device: str) -> float:
+    """Seconds of one call of ``fn``: process CPU time on CPU (what this process ran, whatever
+    else the machine does), wall time after a synchronisation on a GPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
 
 
 def memory_row(
@@ -60,9 +83,10 @@ def memory_row(
     total."""
     from engine.memory import peak_bytes
 
-    chunk, checkpoint = MEMORY_VARIANTS[variant]
+    chunk, checkpoint, shared = MEMORY_VARIANTS[variant]
     chunk = chunk_size if chunk is None else chunk
     extra = ("MODEL.TEXT_CHUNK", str(chunk), "MODEL.CHECKPOINT_TEXT", str(checkpoint))
+    extra += ("MODEL.SHARED_PREFIX", str(shared))
     out = osp.join(tmp, "out", f"{trainer}_memory")
     cfg = eager_cfg(bench_cfg(trainer, "sgd", s, None, out, *extra))
     tr = build(cfg, class_names(n_cls))
@@ -71,17 +95,22 @@ def memory_row(
     step_fn(tr, batch, last)()  # the first step creates the optimizer's state (resident)
     step = peak_bytes(step_fn(tr, batch, last), s.device)
     resident = resident_bytes(tr)
+    step_s = statistics.median(
+        timed(step_fn(tr, batch, last), s.device) for _ in range(MEMORY_TIMED_STEPS)
+    )
     row = {
         "trainer": trainer,
         "classes": n_cls,
         "variant": variant,
         "text_chunk": chunk,
         "checkpoint_text": checkpoint,
+        "shared_prefix": shared,
         "prec": tr.prec,
         "batch": cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
         "step_mb": step / 2**20,
         "resident_mb": resident / 2**20,
         "total_mb": (step + resident) / 2**20,
+        "step_ms": 1e3 * step_s,
         "finite_loss": check_finite(f"{trainer} ({variant}, {n_cls} classes)", last),
     }
     release(tr)
@@ -141,6 +170,7 @@ def print_memory_report(result: dict) -> None:
     from tabulate import tabulate
 
     cols = ["trainer", "classes", "variant", "prec", "batch", "step_mb", "resident_mb", "total_mb"]
+    cols.append("step_ms")
     print(f"\nDevice: {result['device']}; backbone: {result['backbone']}")
     print(f"Measure: {result['measure']}")
     rows = [[r[c] for c in cols] for r in result["rows"]]

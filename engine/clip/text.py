@@ -217,6 +217,12 @@ class TextEncoder(nn.Module):
     to about one chunk's activations. Checkpointing alone is bit-identical to the plain pass;
     chunks agree with it up to fp32 rounding (fewer rows per matrix product change the kernels'
     blocking), as tests/test_text_memory.py checks.
+
+    ``shared_prefix`` (``MODEL.SHARED_PREFIX``): every pass, training included, encodes each
+    group of prompts' common prefix once (:meth:`encode_shared_prefix`; without the option only
+    passes inside :func:`shared_prefix_text` without gradients do): the same features and
+    gradients up to fp32 rounding, the prefix's work and activations paid once instead of per
+    class (tests/test_text_shared_prefix.py).
     """
 
     def __init__(self, clip_model):
@@ -234,19 +240,25 @@ class TextEncoder(nn.Module):
         self.register_buffer("attn_mask", mask, persistent=False)  # [ctx, ctx] additive
         self.chunk = 0  # prompts per pass through the tower (0: all at once)
         self.checkpoint = False  # activation checkpointing of each chunk (training only)
+        self.shared_prefix = False  # common prompt prefixes encoded once in every pass
 
-    def set_memory_options(self, chunk: int = 0, checkpoint: bool = False) -> None:
+    def set_memory_options(
+        self, chunk: int = 0, checkpoint: bool = False, shared_prefix: bool = False
+    ) -> None:
         """Encode ``chunk`` prompts at a time (0: all) and, with ``checkpoint``, recompute each
-        chunk's activations in the backward instead of keeping them (see the class doc)."""
+        chunk's activations in the backward instead of keeping them; with ``shared_prefix``,
+        encode common prompt prefixes once in every pass (see the class doc)."""
         if chunk < 0:
             raise ValueError(f"MODEL.TEXT_CHUNK must be >= 0 (0: all prompts at once), got {chunk}")
         self.chunk, self.checkpoint = int(chunk), bool(checkpoint)
+        self.shared_prefix = bool(shared_prefix)
 
     @property
     def saves_memory(self) -> bool:
         """Whether a memory option is on (the forward is then a Python loop of checkpointed
-        chunks, which engine/compile.py leaves eager)."""
-        return self.chunk > 0 or self.checkpoint
+        chunks or a prefix-shared pass with data-dependent shapes, which engine/compile.py
+        leaves eager)."""
+        return self.chunk > 0 or self.checkpoint or self.shared_prefix
 
     @property
     def dtype(self) -> torch.dtype:
@@ -309,9 +321,10 @@ class TextEncoder(nn.Module):
 
     def prefix_plan(self, x: torch.Tensor, eot_idx: torch.Tensor) -> PrefixPlan | None:
         """How :meth:`encode_shared_prefix` shares ``x``'s prefixes, or None for the plain path
-        (outside :func:`shared_prefix_text`, with gradients, for blocks it cannot reproduce,
-        or when no prefix of at least SHARED_PREFIX_MIN tokens saves work)."""
-        if not _SHARED_PREFIX or torch.is_grad_enabled():
+        (without ``shared_prefix``: outside :func:`shared_prefix_text` or with gradients; for
+        blocks it cannot reproduce; when no prefix of at least SHARED_PREFIX_MIN tokens saves
+        work)."""
+        if not self.shared_prefix and (not _SHARED_PREFIX or torch.is_grad_enabled()):
             return None
         if not all(_supports_shared_prefix(b) for b in self.transformer.resblocks):
             return None
@@ -407,13 +420,15 @@ class TextEncoder(nn.Module):
         return self(self.embed_tokens(tokens), eot)
 
 
-def set_text_memory(model: nn.Module, chunk: int, checkpoint: bool) -> list[str]:
+def set_text_memory(
+    model: nn.Module, chunk: int, checkpoint: bool, shared_prefix: bool = False
+) -> list[str]:
     """:meth:`TextEncoder.set_memory_options` on every text encoder of ``model``; returns their
     names when an option is on (else an empty list)."""
     names = []
     for name, module in model.named_modules():
         if isinstance(module, TextEncoder):
-            module.set_memory_options(chunk, checkpoint)
+            module.set_memory_options(chunk, checkpoint, shared_prefix)
             if module.saves_memory:
                 names.append(name or type(module).__name__)
     return names
