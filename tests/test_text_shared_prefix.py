@@ -288,3 +288,22 @@ def test_shared_prefix_option_trains_and_is_left_eager(deep_opts, tmp_path, monk
     compiled = build("CoOp", deep_opts, tmp_path, N_CLS, *opts)
     assert compiled.compiled_modules == ["image_encoder"]  # the frozen ViT; not text_encoder
     assert "text_encoder" not in ec.compiled_forwards(compiled.model)
+
+
+@pytest.mark.parametrize("trainer", ["CoOp", "MaPLe", "TCP"])
+def test_shared_prefix_in_checkpointed_chunks(trainer, deep_opts, tmp_path, monkeypatch):
+    """With MODEL.TEXT_CHUNK + MODEL.CHECKPOINT_TEXT the backward recomputes each chunk through
+    the prefix-shared path: the same loss and gradients as the plain step (fp32 rounding)."""
+    spy = Spy(monkeypatch)
+    got = []
+    for opts in ((), ("MODEL.SHARED_PREFIX", "True", "MODEL.TEXT_CHUNK", "3")):
+        if opts:
+            opts += ("MODEL.CHECKPOINT_TEXT", "True")
+        tr = build(trainer, deep_opts, tmp_path, N_CLS, *opts)
+        got.append(loss_and_grads(tr, step_inputs(tr)))
+    # 7 classes in chunks of 3, 3, 1 (one row: nothing to share): 2 chunks, forward + recompute
+    assert [rows for _, _, rows in spy.calls] == [3, 3, 3, 3]
+    (loss, grads), (s_loss, s_grads) = got
+    assert abs(float(s_loss - loss)) <= 2e-5 * abs(float(loss))
+    for a, b in zip(s_grads, grads, strict=True):
+        assert (a - b).abs().max() <= 2e-5 * b.abs().max()
