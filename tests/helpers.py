@@ -204,3 +204,14 @@ def coop_args(root, out, tiny_clip_opts, *extra, seed="1", trainer="CoOp", flags
         "--config-file", coop, "--output-dir", out, *flags, *tiny_clip_opts,
         "TRAINER.COOP.PREC", "fp32", "DATASET.NUM_SHOTS", "4", *extra,
     ]  # fmt: skip
+
+
+def loss_and_grads_of(tr, inputs) -> tuple:
+    """``(loss, [grad of each learnable tensor])`` of one pass of ``tr._loss`` on prepared
+    ``inputs`` (gradients cleared first)."""
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss, _ = tr._loss(inputs)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params]

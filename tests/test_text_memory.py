@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import DEPTH, tiny_options
+from helpers import DEPTH, loss_and_grads_of, tiny_options
 
 import engine.compile as ec
 from engine import build_trainer
@@ -41,12 +41,7 @@ def loss_and_grads(tr, seed=0):
     image, label = torch.randn(4, 3, size, size, generator=g), torch.arange(4)
     with torch.no_grad():
         inputs = tr.prepare_step((image, label))
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    loss, _ = tr._loss(inputs)
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in params]
+    return loss_and_grads_of(tr, inputs)
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

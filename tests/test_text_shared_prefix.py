@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 from conftest import make_cfg
-from helpers import DEPTH, DTD_CLASSES, tiny_options
+from helpers import DEPTH, DTD_CLASSES, loss_and_grads_of, tiny_options
 
 import engine.clip.text as text_mod
 import engine.compile as ec
@@ -236,15 +236,6 @@ def test_shared_prefix_in_half_precision(prec, deep_opts, tmp_path, monkeypatch)
     assert (shared - plain).abs().max() <= 2e-2 * plain.abs().max()
 
 
-def loss_and_grads(tr, inputs):
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    loss, _ = tr._loss(inputs)
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in params]
-
-
 @pytest.mark.parametrize("trainer,dtype", CASES)
 def test_shared_prefix_option_gives_the_plain_gradients(trainer, dtype, deep_opts, tmp_path):
     """MODEL.SHARED_PREFIX: every pass, training included, shares the prefix; the loss and every
@@ -261,7 +252,7 @@ def test_shared_prefix_option_gives_the_plain_gradients(trainer, dtype, deep_opt
                 m.dtype = dtype
         assert all(e.shared_prefix == shared for e in text_encoders(tr.model))
         torch.manual_seed(1)
-        got.append(loss_and_grads(tr, step_inputs(tr, dtype=dtype)))
+        got.append(loss_and_grads_of(tr, step_inputs(tr, dtype=dtype)))
     (loss, grads), (s_loss, s_grads) = got
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     assert abs(float(s_loss - loss)) <= tol * abs(float(loss))
@@ -300,7 +291,7 @@ def test_shared_prefix_in_checkpointed_chunks(trainer, deep_opts, tmp_path, monk
         if opts:
             opts += ("MODEL.CHECKPOINT_TEXT", "True")
         tr = build(trainer, deep_opts, tmp_path, N_CLS, *opts)
-        got.append(loss_and_grads(tr, step_inputs(tr)))
+        got.append(loss_and_grads_of(tr, step_inputs(tr)))
     # 7 classes in chunks of 3, 3, 1 (one row: nothing to share): 2 chunks, forward + recompute
     assert [rows for _, _, rows in spy.calls] == [3, 3, 3, 3]
     (loss, grads), (s_loss, s_grads) = got
