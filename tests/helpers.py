@@ -10,6 +10,7 @@ import json
 import os.path as osp
 import re
 
+import pytest
 import torch
 from conftest import ROOT, make_cfg, run_train
 
@@ -215,3 +216,18 @@ def loss_and_grads_of(tr, inputs) -> tuple:
     loss, _ = tr._loss(inputs)
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in params]
+
+
+def train_interrupted(tr, epoch: int = 2) -> None:
+    """Train ``tr`` until epoch ``epoch`` (0-based) starts, then stop it as Ctrl-C would (the
+    epochs before it are saved)."""
+    before_epoch = tr.before_epoch
+
+    def interrupt():
+        if tr.epoch == epoch:
+            raise KeyboardInterrupt
+        before_epoch()
+
+    tr.before_epoch = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        tr.train()

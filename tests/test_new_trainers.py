@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT, make_cfg, run_train
+from helpers import train_interrupted
 
 from engine import build_trainer
 from engine.clip import TextEncoder, load_clip, tokenize
@@ -314,16 +315,7 @@ def test_gpa_resumes_with_the_aggregate_of_earlier_epochs(tmp_path, dtd_root, de
     full = build("PromptSRC", tmp_path / "a", dtd_root, deep_opts, *opts)
     full.train()
     part = build("PromptSRC", tmp_path / "b", dtd_root, deep_opts, *opts)
-    before_epoch = part.before_epoch
-
-    def interrupt():  # the run stops when epoch 3 starts (epochs 1-2 saved)
-        if part.epoch == 2:
-            raise KeyboardInterrupt
-        before_epoch()
-
-    part.before_epoch = interrupt
-    with pytest.raises(KeyboardInterrupt):
-        part.train()
+    train_interrupted(part, epoch=2)  # the run stops when epoch 3 starts (epochs 1-2 saved)
     assert osp.exists(osp.join(part.output_dir, "VLPromptLearner", "gpa_state.pth"))
     resumed = build("PromptSRC", tmp_path / "b", dtd_root, deep_opts, *opts)
     resumed.train()

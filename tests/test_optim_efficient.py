@@ -16,6 +16,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import train_interrupted
 from torch import nn
 
 from engine.config import get_base_cfg_default
@@ -460,16 +461,7 @@ def test_trainer_resume_is_bit_identical(name, tmp_path, dtd_root, tiny_clip_opt
     full = _coop(tmp_path / "a", dtd_root, tiny_clip_opts, name, *opts)
     full.train()
     part = _coop(tmp_path / "b", dtd_root, tiny_clip_opts, name, *opts)
-    before_epoch = part.before_epoch
-
-    def interrupt():  # the run stops when epoch 3 starts (epochs 1-2 saved)
-        if part.epoch == 2:
-            raise KeyboardInterrupt
-        before_epoch()
-
-    part.before_epoch = interrupt
-    with pytest.raises(KeyboardInterrupt):
-        part.train()
+    train_interrupted(part, epoch=2)  # the run stops when epoch 3 starts (epochs 1-2 saved)
     resumed = _coop(tmp_path / "b", dtd_root, tiny_clip_opts, name, *opts)
     resumed.train()
     assert resumed.start_epoch == 2

@@ -19,7 +19,7 @@ import engine.compile as ec
 from engine import build_trainer
 from engine.clip.text import (
     TextEncoder,
-    common_prefix_length,
+    _neighbour_prefixes,
     plan_shared_prefix,
     shared_prefix_text,
 )
@@ -162,13 +162,13 @@ def test_blocks_it_cannot_reproduce_keep_the_plain_path(deep_opts, tmp_path, mon
     assert len(spy.calls) == 1
 
 
-def test_common_prefix_length():
+def test_neighbour_prefixes():
     x = torch.zeros(3, 5, 2)
-    assert common_prefix_length(x) == 5
+    assert _neighbour_prefixes(x).tolist() == [5, 5]
     x[1, 2, 0] = 1.0
-    assert common_prefix_length(x) == 2
+    assert _neighbour_prefixes(x).tolist() == [2, 2]
     x[2, 0, 1] = 1.0
-    assert common_prefix_length(x) == 0
+    assert _neighbour_prefixes(x).tolist() == [2, 0]
 
 
 def test_plan_groups_consecutive_rows_and_weighs_the_cost():

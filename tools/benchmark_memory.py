@@ -15,11 +15,10 @@ import os.path as osp
 import shutil
 import statistics
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 
+from tools.benchmark_efficient import efficient_measure
 from tools.benchmark_steps import (
     TRAINERS,
     Settings,
@@ -59,20 +58,6 @@ MEMORY_MEASURE = {
 }
 
 
-def timed(fn: Callable[[], None], device: str) -> float:
-    """Seconds of one call of ``fn``: process CPU time on CPU (what this process ran, whatever
-    else the machine does), wall time after a synchronisation on a GPU."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-    t = time.process_time()
-    fn()
-    return time.process_time() - t
-
-
 def memory_row(
     trainer: str, n_cls: int, variant: str, s: Settings, tmp: str, chunk_size: int = MEMORY_CHUNK
 ) -> dict:
@@ -95,9 +80,9 @@ def memory_row(
     step_fn(tr, batch, last)()  # the first step creates the optimizer's state (resident)
     step = peak_bytes(step_fn(tr, batch, last), s.device)
     resident = resident_bytes(tr)
-    step_s = statistics.median(
-        timed(step_fn(tr, batch, last), s.device) for _ in range(MEMORY_TIMED_STEPS)
-    )
+    cuda = s.device == "cuda"
+    wall, cpu = efficient_measure({"step": step_fn(tr, batch, last)}, MEMORY_TIMED_STEPS, 0, cuda)
+    step_s = statistics.median((wall if cuda else cpu)["step"])  # process CPU time on CPU
     row = {
         "trainer": trainer,
         "classes": n_cls,

@@ -107,12 +107,6 @@ def shared_prefix_text() -> Iterator[None]:
         _SHARED_PREFIX = previous
 
 
-def common_prefix_length(x: torch.Tensor) -> int:
-    """How many leading positions of ``x`` (``[n, L, ...]``) are equal in every row."""
-    same = (x == x[:1]).flatten(2).all(dim=2).all(dim=0)  # [L]
-    return int(same.to(torch.int32).cumprod(0).sum())
-
-
 def _neighbour_prefixes(x: torch.Tensor) -> torch.Tensor:
     """``[n - 1]``: how many leading positions row ``r + 1`` of ``x`` shares with row ``r``."""
     same = (x[1:] == x[:-1]).flatten(2).all(dim=2)  # [n - 1, L]
@@ -126,11 +120,6 @@ class PrefixPlan(NamedTuple):
     length: int
     group: torch.Tensor
     first: torch.Tensor
-
-
-def _plan(group_starts: torch.Tensor, length: int) -> PrefixPlan:
-    """The plan whose groups begin at the rows where ``group_starts`` (``[n]`` bool) is True."""
-    return PrefixPlan(length, group_starts.cumsum(0) - 1, group_starts.nonzero().flatten())
 
 
 def plan_shared_prefix(x: torch.Tensor, eot_idx: torch.Tensor, plain_len: int) -> PrefixPlan | None:
@@ -152,8 +141,8 @@ def plan_shared_prefix(x: torch.Tensor, eot_idx: torch.Tensor, plain_len: int) -
             best, best_cost = length, cost
     if best is None:
         return None
-    starts = torch.cat([shared.new_ones(1, dtype=torch.bool), shared < best])
-    return _plan(starts, best)
+    starts = torch.cat([shared.new_ones(1, dtype=torch.bool), shared < best])  # new groups
+    return PrefixPlan(best, starts.cumsum(0) - 1, starts.nonzero().flatten())
 
 
 def _supports_shared_prefix(block: nn.Module) -> bool:
@@ -347,10 +336,10 @@ class TextEncoder(nn.Module):
         p, group, first = plan
         h_p, h_s = x[first, :p], x[:, p:]
         blocks = self.transformer.resblocks
+        within = group[1:] == group[:-1]  # rows in their predecessor's group
         for i, block in enumerate(blocks):
             if layer_hook is not None:
                 full = layer_hook(i, torch.cat([h_p[group], h_s], 1), *row_args)
-                within = group[1:] == group[:-1]
                 if bool(within.any()):
                     p = min(p, int(_neighbour_prefixes(full)[within].min()))
                 h_p, h_s = full[first, :p], full[:, p:]
