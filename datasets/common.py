@@ -66,6 +66,9 @@ class Download:
             into the same place in turn.
         provides: what the download creates, relative to the dataset folder (a trailing "/"
             marks a folder); the download is skipped when it is there. Default: ``filename``.
+        by_hand: why the file cannot be fetched (``url`` then names where a person gets it):
+            ``tools/download_data.py`` unpacks it once it is put in the dataset folder, and
+            says exactly which file to put where until then.
     """
 
     url: str
@@ -75,6 +78,7 @@ class Download:
     strip: str = ""
     inner: str = ""
     provides: str = ""
+    by_hand: str = ""
 
     def target(self) -> str:
         """What the download provides, relative to the dataset folder."""

@@ -6,6 +6,7 @@ Usage::
     python tools/check_data.py --root DATA Caltech101 eurosat  # reader, config or folder names
     python tools/check_data.py --root DATA folder:mydata        # your own images (Folder)
     python tools/check_data.py --plugin my_reader.py --root DATA MyReader   # a plugin's reader
+    python tools/check_data.py --root DATA --verify            # every image read and counted
 
 Prints one row per dataset: ``ready``, ``partial`` (some pieces or class folders missing) or
 ``missing`` (nothing there), what is missing, and below the table how to obtain each dataset
@@ -41,6 +42,7 @@ from datasets.folder import folder_layout, inspect_folder  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.plugins import env_plugins, load_plugins  # noqa: E402
 from engine.registry import DATASET_REGISTRY  # noqa: E402
+from tools.verify_data import verify_dataset  # noqa: E402
 
 READY, PARTIAL, MISSING = "ready", "partial", "missing"
 UNCHECKED = "unchecked"  # a registered reader without a declared layout (it checks at start-up)
@@ -143,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         help="import a module registering your own dataset reader first (a .py path or a module "
         "name; repeatable; also $SAMPLE_PL_PLUGINS)",
     )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="prove the datasets ready: read by their readers, every image of every split "
+        "present and readable, class and image counts (tools/verify_data.py)",
+    )
     args = parser.parse_args(argv)
     try:
         load_plugins([*env_plugins(), *args.plugin])
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, hows = [], []
     for name, layout in layouts.items():
-        status, details = check_dataset(args.root, name)
+        status, details = (verify_dataset if args.verify else check_dataset)(args.root, name)
         name, folder = (layout.name, layout.folder + "/") if layout else (name, "")
         lines = [d for d in details if not d.startswith(HOW)]
         hows += [f"{name}: {d[len(HOW) :]}" for d in details if d.startswith(HOW)]
