@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
 import multiprocessing
 import os
 import os.path as osp
@@ -18,8 +19,10 @@ import socket
 import tarfile
 import time
 
+import dataset_archives
 import pytest
 from dataset_archives import build, build_sources, write_checksums
+from dataset_trees import BUILDERS
 from test_weights_download import _waiting_on_lock, server  # noqa: F401  (the loopback server)
 
 from datasets import PAPER_DATASETS
@@ -242,3 +245,115 @@ def test_list_names_sources_and_checksum_origins(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "md5 fff73e5086ae6bdbea199a49dfb8a4c1 (torchvision 0.29.1" in out
     assert "SHA256 pinned on first download" in out and "[by hand]" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# check_data --verify
+# ----------------------------------------------------------------------------------------------
+def test_verify_lists_missing_unreadable_and_empty_classes(tmp_path, capsys):
+    root = str(tmp_path)
+    expected = BUILDERS["DescribableTextures"](root)
+    build("DescribableTextures", root)  # saves the split file
+    reference = verify_data.Reference.of_tree(expected)
+    status, lines = verify_data.verify_dataset(root, "dtd", reference)
+    assert status == "ready" and "train: 20 of 20 images readable" in lines
+    images = sorted(glob.glob(osp.join(root, "dtd", "images", "*", "*.jpg")))
+    os.remove(images[0])
+    with open(images[1], "r+b") as f:  # cut short
+        f.truncate(100)
+    status, lines = verify_data.verify_dataset(root, "dtd", reference)
+    assert status == "partial"
+    text = "\n".join(lines)
+    assert "1 of" in text and images[0] in text and "missing" in text
+    assert f"{images[1]} (truncated" in text or f"{images[1]} (unreadable" in text
+    assert check_data.main(["--root", root, "--verify", "dtd"]) == 1
+    assert "partial" in capsys.readouterr().out
+    os.remove(osp.join(root, "dtd", "split_zhou_DescribableTextures.json"))
+    status, lines = verify_data.verify_dataset(root, "dtd", reference)
+    assert status == "partial" and "a generated split is not the paper's" in lines[0]
+
+    expected = BUILDERS["FGVCAircraft"](root)  # the dataset's own lists: one class left out
+    reference = verify_data.Reference.of_tree(expected)
+    assert verify_data.verify_dataset(root, "FGVCAircraft", reference)[0] == "ready"
+    test_list = osp.join(root, "fgvc_aircraft", "images_variant_test.txt")
+    kept = [line for line in open(test_list) if not line.strip().endswith("A300B4")]
+    with open(test_list, "w") as f:
+        f.writelines(kept)
+    status, lines = verify_data.verify_dataset(root, "FGVCAircraft", reference)
+    assert status == "partial" and "test: no image of class(es) [1]" in lines
+    assert (
+        verify_data.verify_dataset(root, "FGVCAircraft")[1][0] == "4 classes, the dataset has 100"
+    )
+
+
+def _imagenet_devkit(wnids_of_images: list[str], classes: list[str]) -> bytes:
+    """A tiny ILSVRC2012_devkit_t12.tar.gz: meta.mat's synsets (leaf classes and one inner
+    node) and the validation ground truth (1-based ids)."""
+    import io
+
+    import numpy as np
+    from scipy.io import savemat
+
+    fields = [("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")]
+    synsets = np.zeros((len(classes) + 1, 1), dtype=fields)
+    for i, wnid in enumerate(classes):
+        synsets[i, 0] = (np.array([[i + 1]]), np.array([wnid]), np.array([[0]]))
+    synsets[len(classes), 0] = (np.array([[len(classes) + 1]]), np.array(["n00001740"]), [[3]])
+    buf = io.BytesIO()
+    savemat(buf, {"synsets": synsets})
+    truth = "".join(f"{classes.index(w) + 1}\n" for w in wnids_of_images).encode()
+    members = [
+        ("ILSVRC2012_devkit_t12/data/meta.mat", buf.getvalue()),
+        ("ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt", truth),
+    ]
+    return dataset_archives._tar(members)
+
+
+def test_imagenet_flat_validation_images_are_offered_and_sorted(tmp_path, capsys):
+    root = str(tmp_path / "data")
+    expected = BUILDERS["ImageNet"](root)
+    reference = verify_data.Reference.of_tree(expected)
+    folder = osp.join(root, "imagenet")
+    val = osp.join(folder, "images", "val")
+    assert verify_data.verify_dataset(root, "ImageNet", reference)[0] == "ready"
+    wnids = sorted(os.listdir(val))
+    images = [(w, osp.join(val, w, n)) for w in wnids for n in sorted(os.listdir(osp.join(val, w)))]
+    flat = [(f"ILSVRC2012_val_{k + 1:08d}.JPEG", path) for k, (_, path) in enumerate(images)]
+    val_tar = dataset_archives._tar(flat, "w")
+    devkit = _imagenet_devkit([w for w, _ in images], wnids)
+    shutil.rmtree(val)
+    for name, data in (
+        ("ILSVRC2012_img_val.tar", val_tar),
+        ("ILSVRC2012_devkit_t12.tar.gz", devkit),
+    ):
+        with open(osp.join(folder, name), "wb") as f:
+            f.write(data)
+    status, lines = verify_data.verify_dataset(root, "ImageNet", reference)
+    assert status == "partial" and "ILSVRC2012_img_val.tar found" in lines[1]
+    assert "--sort-imagenet-val" in lines[1]
+
+    table = {
+        "imagenet/ILSVRC2012_img_val.tar": ["md5", hashlib.md5(val_tar).hexdigest()],
+        "imagenet/ILSVRC2012_devkit_t12.tar.gz": ["md5", hashlib.md5(devkit).hexdigest()],
+    }
+    argv = ["--root", root, "--checksums", write_checksums(str(tmp_path / "c.json"), table)]
+    assert download_data.main([*argv, "--sort-imagenet-val"]) == 0
+    assert "sorted 10 validation images into 5 wnid folders" in capsys.readouterr().out
+    assert verify_data.verify_dataset(root, "ImageNet", reference)[0] == "ready"
+    for k, (wnid, _) in enumerate(images):
+        assert osp.isfile(osp.join(val, wnid, f"ILSVRC2012_val_{k + 1:08d}.JPEG"))
+
+    for wnid in wnids:  # the archive unpacked as it is (flat): sorted in place
+        for name in os.listdir(osp.join(val, wnid)):
+            os.rename(osp.join(val, wnid, name), osp.join(val, name))
+        os.rmdir(osp.join(val, wnid))
+    status, lines = verify_data.verify_dataset(root, "ImageNet", reference)
+    assert status == "partial" and "holds 10 images outside wnid folders" in lines[0]
+    assert download_data.main([*argv, "--sort-imagenet-val"]) == 0
+    assert verify_data.verify_dataset(root, "ImageNet", reference)[0] == "ready"
+
+    with open(osp.join(folder, "ILSVRC2012_devkit_t12.tar.gz"), "ab") as f:
+        f.write(b"damage")
+    assert download_data.main([*argv, "--sort-imagenet-val"]) == 1
+    out = capsys.readouterr().out
+    assert f"expected {table['imagenet/ILSVRC2012_devkit_t12.tar.gz'][1]}" in out

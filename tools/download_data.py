@@ -563,6 +563,93 @@ def fetch_dataset(ctx: Context, layout: Layout, small_only: bool = False) -> lis
     return problems
 
 
+# ----------------------------------------------------------------------------------------------
+# ImageNet's flat validation images, sorted into wnid folders (what valprep.sh does)
+# ----------------------------------------------------------------------------------------------
+IMAGENET_VAL_TAR = "ILSVRC2012_img_val.tar"
+IMAGENET_DEVKIT = "ILSVRC2012_devkit_t12.tar.gz"
+
+
+def imagenet_val_wnids(devkit_dir: str) -> list[str]:
+    """The wnid of validation image 1, 2, ... from an unpacked devkit (``data/meta.mat``'s
+    synsets and ``data/ILSVRC2012_validation_ground_truth.txt``, 1-based class ids)."""
+    from scipy.io import loadmat
+
+    synsets = loadmat(osp.join(devkit_dir, "data", "meta.mat"), squeeze_me=True)["synsets"]
+    wnid_of = {
+        int(i): str(w)
+        for i, w, n in zip(synsets["ILSVRC2012_ID"], synsets["WNID"], synsets["num_children"])
+        if int(n) == 0  # the 1,000 leaf classes
+    }
+    truth = osp.join(devkit_dir, "data", "ILSVRC2012_validation_ground_truth.txt")
+    with open(truth) as f:
+        return [wnid_of[int(line)] for line in f if line.strip()]
+
+
+def sort_imagenet_val(ctx: Context) -> str:
+    """Put ImageNet's validation images into ``imagenet/images/val/<wnid>/``.
+
+    Reads the devkit (``imagenet/ILSVRC2012_devkit_t12.tar.gz``, checked) for the ground truth;
+    unpacks ``imagenet/ILSVRC2012_img_val.tar`` (checked) when ``images/val/`` does not exist
+    (sorted in a temporary folder, renamed into place at the end), or sorts the flat images
+    already in ``images/val/`` (each a rename; rerunnable).
+
+    Raises:
+        DownloadError: the devkit or the images are missing, damaged or do not match.
+    """
+    folder = osp.join(ctx.root, "imagenet")
+    devkit, tar = osp.join(folder, IMAGENET_DEVKIT), osp.join(folder, IMAGENET_VAL_TAR)
+    val = osp.join(folder, "images", "val")
+    if not osp.isfile(devkit):
+        raise DownloadError(
+            f"imagenet/{IMAGENET_DEVKIT}: by hand: the validation labels are in ImageNet's "
+            f"development kit (image-net.org, ILSVRC2012 downloads, with an account): put it in "
+            f"{folder}/ and rerun"
+        )
+    print(f"  {ctx.check(devkit, 'imagenet/' + IMAGENET_DEVKIT, 'image-net.org', False)}")
+    with tempfile.TemporaryDirectory(dir=folder, prefix=UNPACKING + "devkit-") as tmp:
+        extract(devkit, tmp, "ILSVRC2012_devkit_t12/")
+        wnids = imagenet_val_wnids(tmp)
+    work = val
+    if not osp.isdir(val):
+        if not osp.isfile(tar):
+            raise DownloadError(
+                f"imagenet/{IMAGENET_VAL_TAR}: by hand (image-net.org, with an account): put it "
+                f"in {folder}/ and rerun"
+            )
+        print(f"  {ctx.check(tar, 'imagenet/' + IMAGENET_VAL_TAR, 'image-net.org', False)}")
+        os.makedirs(osp.dirname(val), exist_ok=True)
+        work = tempfile.mkdtemp(prefix=UNPACKING + IMAGENET_VAL_TAR + "-", dir=folder)
+        try:
+            extract(tar, work)
+        except (OSError, tarfile.TarError, DownloadError) as e:
+            shutil.rmtree(work, ignore_errors=True)
+            raise DownloadError(f"unpacking {tar} failed ({e}); nothing was put in place") from None
+    flat = sorted(e.name for e in os.scandir(work) if e.is_file() and not e.name.startswith("."))
+    if len(flat) != len(wnids) and work != val:
+        shutil.rmtree(work, ignore_errors=True)
+        raise DownloadError(
+            f"{tar} holds {len(flat)} images, the devkit's ground truth {len(wnids)}: they do not "
+            "belong together"
+        )
+    moved = 0
+    for name in flat:
+        stem = osp.splitext(name)[0]
+        if not stem.startswith("ILSVRC2012_val_"):
+            continue
+        n = int(stem.rsplit("_", 1)[1])  # 1-based, as in the ground truth file
+        if not 1 <= n <= len(wnids):
+            raise DownloadError(
+                f"{osp.join(work, name)}: no image {n} in the devkit's ground truth"
+            )
+        os.makedirs(osp.join(work, wnids[n - 1]), exist_ok=True)
+        os.rename(osp.join(work, name), osp.join(work, wnids[n - 1], name))
+        moved += 1
+    if work != val:
+        os.rename(work, val)
+    return f"sorted {moved:,} validation images into {len(set(wnids)):,} wnid folders of {val}"
+
+
 def describe(layout: Layout, checksums: Checksums | None = None) -> list[str]:
     """What ``--list`` prints for a dataset."""
     checksums = PUBLISHED if checksums is None else checksums
@@ -601,6 +688,13 @@ def main(argv: list[str] | None = None, checksums: Checksums | None = None) -> i
         'mirror with repacked archives: {"<folder>/<file>": ["md5" or "sha256", "<digest>"]}',
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--sort-imagenet-val",
+        action="store_true",
+        help=f"sort ImageNet's validation images into wnid folders (from imagenet/"
+        f"{IMAGENET_VAL_TAR} or a flat images/val/, with imagenet/{IMAGENET_DEVKIT}), as "
+        "valprep.sh does",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="  %(message)s", stream=sys.stdout)
     try:
@@ -621,6 +715,13 @@ def main(argv: list[str] | None = None, checksums: Checksums | None = None) -> i
         return 0
 
     ctx = Context(args.root, checksums, progress=not args.quiet)
+    if args.sort_imagenet_val:
+        try:
+            print(f"ImageNet: {sort_imagenet_val(ctx)}")
+        except DownloadError as e:
+            print(f"ImageNet: {e}")
+            return 1
+        return 0
     problems = []
     for layout in layouts:
         print(f"{layout.name} -> {layout.dir(ctx.root)}", flush=True)

@@ -101,17 +101,24 @@ def _shown(paths: list[str]) -> str:
 
 
 def imagenet_problems(root: str, layout: Layout) -> list[str]:
-    """A flat ``images/val/`` (the validation archive unpacked as it is), with the fix."""
+    """A flat ``images/val/`` (the validation archive unpacked as it is), or the validation
+    archive waiting to be unpacked, with the command that sorts it."""
     val = osp.join(layout.dir(root), "images", "val")
+    sort = f"`python tools/download_data.py --root {root} --sort-imagenet-val`"
     if not osp.isdir(val):
+        if osp.isfile(osp.join(layout.dir(root), "ILSVRC2012_img_val.tar")):
+            return [
+                f"imagenet/ILSVRC2012_img_val.tar found: {sort} unpacks it into wnid folders "
+                "(with imagenet/ILSVRC2012_devkit_t12.tar.gz, as valprep.sh does)"
+            ]
         return []
     flat = sum(1 for e in os.scandir(val) if e.is_file() and not e.name.startswith("."))
     if not flat:
         return []
     return [
         f"imagenet/images/val/ holds {flat:,} images outside wnid folders (the flat validation "
-        "archive): sort them into wnid folders with `python tools/download_data.py --root "
-        f"{root} --sort-imagenet-val` (it reads the devkit's ground truth, as valprep.sh does)"
+        f"archive): sort them into wnid folders with {sort} (it reads the ground truth of "
+        "imagenet/ILSVRC2012_devkit_t12.tar.gz, as valprep.sh does)"
     ]
 
 
@@ -131,17 +138,16 @@ def verify_dataset(root: str, name: str, reference: Reference | None = None):
     how = "how to get it: " + layout.how
     if not osp.isdir(layout.dir(root)):
         return MISSING, [f"{layout.folder}/ not found", how]
+    extra = imagenet_problems(root, layout) if layout.name == "ImageNet" else []
     missing = layout.missing(root)
     if missing:
-        return PARTIAL, [f"missing: {m}" for m in missing] + [how]
-    problems = []
+        return PARTIAL, [f"missing: {m}" for m in missing] + extra + [how]
+    problems = list(extra)
     if layout.split_file and not layout.has_split_file(root):
         problems.append(
             f"{layout.folder}/{layout.split_file} absent: a generated split is not the paper's "
             f"(`python tools/download_data.py --root {root} {layout.name}` fetches CoOp's)"
         )
-    if layout.name == "ImageNet":
-        problems += imagenet_problems(root, layout)
     if problems:
         return PARTIAL, problems + [how]
     try:
