@@ -166,6 +166,44 @@ def _archives(name: str, d: str) -> dict[str, bytes]:
     return {}  # ImageNet: its images come by hand
 
 
+def imagenet_devkit(wnids_of_images: list[str], classes: list[str]) -> bytes:
+    """A tiny ILSVRC2012_devkit_t12.tar.gz: ``data/meta.mat``'s synsets (the leaf classes and
+    one inner node) and the validation ground truth (1-based class ids, one line per image)."""
+    import numpy as np
+    from scipy.io import savemat
+
+    fields = [("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")]
+    synsets = np.zeros((len(classes) + 1, 1), dtype=fields)
+    for i, wnid in enumerate(classes):
+        synsets[i, 0] = (np.array([[i + 1]]), np.array([wnid]), np.array([[0]]))
+    synsets[len(classes), 0] = (np.array([[len(classes) + 1]]), np.array(["n00001740"]), [[3]])
+    buf = io.BytesIO()
+    savemat(buf, {"synsets": synsets})
+    truth = "".join(f"{classes.index(w) + 1}\n" for w in wnids_of_images).encode()
+    return _tar(
+        [
+            ("ILSVRC2012_devkit_t12/data/meta.mat", buf.getvalue()),
+            ("ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt", truth),
+        ]
+    )
+
+
+def imagenet_archives(d: str) -> dict[str, bytes]:
+    """ImageNet's three by-hand archives built from the miniature ``d/images/{train,val}``:
+    the training tar of per-class tars, the flat validation tar (``ILSVRC2012_val_<n>.JPEG``
+    in wnid order) and the devkit whose ground truth sorts it back."""
+    train, val = osp.join(d, "images", "train"), osp.join(d, "images", "val")
+    wnids = sorted(os.listdir(train))
+    inner = [(f"{w}.tar", _tar(_tree(train, w, ""), "w")) for w in wnids]
+    images = [(w, p) for w in wnids for _, p in _tree(val, w, "")]
+    flat = [(f"ILSVRC2012_val_{k + 1:08d}.JPEG", p) for k, (_, p) in enumerate(images)]
+    return {
+        "ILSVRC2012_img_train.tar": _tar(inner, "w"),
+        "ILSVRC2012_img_val.tar": _tar(flat, "w"),
+        "ILSVRC2012_devkit_t12.tar.gz": imagenet_devkit([w for w, _ in images], wnids),
+    }
+
+
 @dataclass
 class Sources:
     served: dict[str, bytes] = field(default_factory=dict)  # path on the mirror -> content
@@ -193,8 +231,10 @@ def build_sources(tmp: str, names) -> Sources:
             d = layout.dir(out.tree)
             if layout.split_file:
                 build(name, out.tree)  # the reader generates and saves the split file
-            if name == "ImageNet":
-                out.by_hand[name] = {}  # the images tree, copied by the test
+            if name == "ImageNet":  # its images come by hand, as image-net.org's archives
+                out.by_hand[name] = imagenet_archives(d)
+                for filename, data in out.by_hand[name].items():
+                    out.checksums[f"imagenet/{filename}"] = ["md5", hashlib.md5(data).hexdigest()]
             files = _archives(name, d)
             for item in layout.downloads:
                 item: Download

@@ -68,15 +68,13 @@ def test_every_dataset_fetched_unpacked_read_and_verified_ready(mirror, sources,
     for name in ("cars_train.tgz", "cars_test.tgz", "car_devkit.tgz"):
         assert f"stanford_cars/{name}: by hand: the original Stanford host" in out
         assert f"Put {name} in {root}/stanford_cars/ and rerun" in out
-    assert "by hand: the images (image-net.org" not in out  # a layout note, not a file
+    for name in ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", "ILSVRC2012_devkit_t12"):
+        assert f"imagenet/{name}" in out and f"Put {name}" in out
     for name, files in sources.by_hand.items():  # what a person brings
         folder = find_layout(name).dir(root)
         for filename, data in files.items():
             with open(osp.join(folder, filename), "wb") as f:
                 f.write(data)
-    shutil.copytree(
-        osp.join(sources.tree, "imagenet", "images"), osp.join(root, "imagenet", "images")
-    )
     served = len(srv.requests)
     assert sorted(r[0] for r in srv.requests) == sorted(sources.served)  # each file once
 
@@ -286,29 +284,6 @@ def test_verify_lists_missing_unreadable_and_empty_classes(tmp_path, capsys):
     )
 
 
-def _imagenet_devkit(wnids_of_images: list[str], classes: list[str]) -> bytes:
-    """A tiny ILSVRC2012_devkit_t12.tar.gz: meta.mat's synsets (leaf classes and one inner
-    node) and the validation ground truth (1-based ids)."""
-    import io
-
-    import numpy as np
-    from scipy.io import savemat
-
-    fields = [("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")]
-    synsets = np.zeros((len(classes) + 1, 1), dtype=fields)
-    for i, wnid in enumerate(classes):
-        synsets[i, 0] = (np.array([[i + 1]]), np.array([wnid]), np.array([[0]]))
-    synsets[len(classes), 0] = (np.array([[len(classes) + 1]]), np.array(["n00001740"]), [[3]])
-    buf = io.BytesIO()
-    savemat(buf, {"synsets": synsets})
-    truth = "".join(f"{classes.index(w) + 1}\n" for w in wnids_of_images).encode()
-    members = [
-        ("ILSVRC2012_devkit_t12/data/meta.mat", buf.getvalue()),
-        ("ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt", truth),
-    ]
-    return dataset_archives._tar(members)
-
-
 def test_imagenet_flat_validation_images_are_offered_and_sorted(tmp_path, capsys):
     root = str(tmp_path / "data")
     expected = BUILDERS["ImageNet"](root)
@@ -317,10 +292,9 @@ def test_imagenet_flat_validation_images_are_offered_and_sorted(tmp_path, capsys
     val = osp.join(folder, "images", "val")
     assert verify_data.verify_dataset(root, "ImageNet", reference)[0] == "ready"
     wnids = sorted(os.listdir(val))
-    images = [(w, osp.join(val, w, n)) for w in wnids for n in sorted(os.listdir(osp.join(val, w)))]
-    flat = [(f"ILSVRC2012_val_{k + 1:08d}.JPEG", path) for k, (_, path) in enumerate(images)]
-    val_tar = dataset_archives._tar(flat, "w")
-    devkit = _imagenet_devkit([w for w, _ in images], wnids)
+    images = [(w, n) for w in wnids for n in sorted(os.listdir(osp.join(val, w)))]
+    archives = dataset_archives.imagenet_archives(folder)
+    val_tar, devkit = archives["ILSVRC2012_img_val.tar"], archives["ILSVRC2012_devkit_t12.tar.gz"]
     shutil.rmtree(val)
     for name, data in (
         ("ILSVRC2012_img_val.tar", val_tar),

@@ -560,6 +560,8 @@ def fetch_dataset(ctx: Context, layout: Layout, small_only: bool = False) -> lis
             except DownloadError as e:
                 problems.append(f"{layout.name}: {e}")
                 print(f"  NOT FETCHED: {item_key(layout, item)}", flush=True)
+        if layout.name == "ImageNet" and not small_only:
+            problems += [f"ImageNet: {p}" for p in prepare_imagenet(ctx)]
     return problems
 
 
@@ -648,6 +650,88 @@ def sort_imagenet_val(ctx: Context) -> str:
     if work != val:
         os.rename(work, val)
     return f"sorted {moved:,} validation images into {len(set(wnids)):,} wnid folders of {val}"
+
+
+IMAGENET_TRAIN_TAR = "ILSVRC2012_img_train.tar"
+IMAGENET_BY_HAND = (
+    "image-net.org gives the ILSVRC-2012 images only to registered users who accept its terms "
+    "(its ILSVRC2012 downloads page)"
+)
+
+
+def unpack_imagenet_train(tar: str, train_dir: str) -> None:
+    """``ILSVRC2012_img_train.tar`` (one ``<wnid>.tar`` per class) into ``train_dir/<wnid>/``:
+    unpacked in a temporary folder next to it, renamed into place at the end.
+
+    Raises:
+        DownloadError: unpacking failed (nothing is left in place).
+    """
+    folder = osp.dirname(train_dir)
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=UNPACKING + IMAGENET_TRAIN_TAR + "-", dir=folder)
+    try:
+        extract(tar, tmp)
+        for inner in sorted(glob.glob(osp.join(glob.escape(tmp), "*.tar"))):
+            extract(inner, osp.splitext(inner)[0])
+            os.remove(inner)
+        os.rename(tmp, train_dir)
+    except (OSError, EOFError, tarfile.TarError, DownloadError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DownloadError(
+            f"unpacking {tar} into {train_dir} failed ({e}); nothing of it was put in place: fix "
+            "the cause (e.g. free disk space) and rerun"
+        ) from None
+
+
+def prepare_imagenet(ctx: Context) -> list[str]:
+    """ImageNet's images from the archives a person put in ``imagenet/`` (checked against
+    torchvision's MD5s): the training archive unpacked into wnid folders, the validation images
+    sorted into them (:func:`sort_imagenet_val`). Returns a paragraph per archive still needed.
+    """
+    folder = osp.join(ctx.root, "imagenet")
+    train_dir, val_dir = (osp.join(folder, "images", s) for s in ("train", "val"))
+    problems = []
+    train_tar = osp.join(folder, IMAGENET_TRAIN_TAR)
+    key = f"imagenet/{IMAGENET_TRAIN_TAR}"
+    try:
+        if osp.isdir(train_dir):
+            print(f"  present: {rel(ctx, train_dir)}")
+        elif osp.isfile(train_tar):
+            note = ctx.check(train_tar, key, "image-net.org", False)
+            print(f"  unpacking {IMAGENET_TRAIN_TAR} ({note})", flush=True)
+            unpack_imagenet_train(train_tar, train_dir)
+            print(f"  unpacked: {rel(ctx, train_dir)}; {train_tar} can be deleted")
+        else:
+            problems.append(hand_paragraph(ctx, key, folder, "images/train/<wnid>/"))
+    except DownloadError as e:
+        problems.append(str(e))
+    flat = osp.isdir(val_dir) and any(
+        e.is_file() and not e.name.startswith(".") for e in os.scandir(val_dir)
+    )
+    if osp.isdir(val_dir) and not flat:
+        print(f"  present: {rel(ctx, val_dir)}")
+        return problems
+    needed = [IMAGENET_DEVKIT] + ([] if flat else [IMAGENET_VAL_TAR])
+    absent = [n for n in needed if not osp.isfile(osp.join(folder, n))]
+    if absent:
+        where = "sorts images/val/ into wnid folders" if flat else "images/val/<wnid>/"
+        return problems + [hand_paragraph(ctx, f"imagenet/{n}", folder, where) for n in absent]
+    try:
+        print(f"  {sort_imagenet_val(ctx)}", flush=True)
+    except DownloadError as e:
+        problems.append(str(e))
+    return problems
+
+
+def hand_paragraph(ctx: Context, key: str, folder: str, into: str) -> str:
+    """One paragraph for an ImageNet archive that comes by hand."""
+    expected = ctx.expected(key)
+    check = f" Its MD5 must be {expected[1]} ({expected[2]})." if expected else ""
+    return (
+        f"{key}: by hand: {IMAGENET_BY_HAND}. Put {osp.basename(key)} in {folder}/ and rerun "
+        f"this command: it checks it and unpacks it into {into} (or unpack it there yourself; "
+        f"symbolic links to an existing copy work).{check}"
+    )
 
 
 def describe(layout: Layout, checksums: Checksums | None = None) -> list[str]:
