@@ -16,11 +16,14 @@ import os
 import os.path as osp
 import shutil
 import socket
+import subprocess
+import sys
 import tarfile
 import time
 
 import dataset_archives
 import pytest
+from conftest import ROOT
 from dataset_archives import build, build_sources, write_checksums
 from dataset_trees import BUILDERS
 from test_weights_download import _waiting_on_lock, server  # noqa: F401  (the loopback server)
@@ -331,3 +334,17 @@ def test_imagenet_flat_validation_images_are_offered_and_sorted(tmp_path, capsys
     assert download_data.main([*argv, "--sort-imagenet-val"]) == 1
     out = capsys.readouterr().out
     assert f"expected {table['imagenet/ILSVRC2012_devkit_t12.tar.gz'][1]}" in out
+
+
+@pytest.mark.slow
+def test_scripts_in_fresh_processes_fetch_through_the_mirror_and_verify_ready(mirror):
+    _, root, argv = mirror
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    tool = [sys.executable, osp.join(ROOT, "tools", "download_data.py")]
+    proc = subprocess.run([*tool, *argv, "EuroSAT"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "status: ready" in proc.stdout
+    check = [sys.executable, osp.join(ROOT, "tools", "check_data.py"), "--root", root]
+    proc = subprocess.run([*check, "--verify", "eurosat"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # all 10 classes: the real reference
+    assert "train: 20 of 20 images readable" in proc.stdout and "1 of 1 ready" in proc.stdout
