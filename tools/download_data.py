@@ -156,7 +156,8 @@ class Pins:
         return self.read().get(key)
 
     def pin(self, key: str, sha256: str, source: str) -> None:
-        with weights.file_lock(self.path + ".lock"):
+        os.makedirs(osp.join(osp.dirname(self.path), STAGING), exist_ok=True)
+        with weights.file_lock(osp.join(osp.dirname(self.path), STAGING, LOCK_FILE + ".lock")):
             files = self.read()
             old = files.get(key)
             if old and old["sha256"] != sha256:
@@ -747,7 +748,13 @@ def describe(layout: Layout, checksums: Checksums | None = None) -> list[str]:
         else:
             check = f"SHA256 pinned on first download in {LOCK_FILE}"
         hand = " [by hand]" if item.by_hand else ""
-        lines.append(f"  {item.target()}: {human_link(item.url)}{tool}{hand}\n    {check}")
+        target = osp.normpath(item.target()) + ("/" if item.target().endswith("/") else "")
+        lines.append(f"  {target}: {human_link(item.url)}{tool}{hand}\n    {check}")
+    if layout.name == "ImageNet":
+        for name in (IMAGENET_TRAIN_TAR, IMAGENET_VAL_TAR, IMAGENET_DEVKIT):
+            algorithm, digest, *origin = checksums.get(f"imagenet/{name}", ("", "", ""))
+            check = f"{algorithm} {digest} ({origin[0] if origin else ''})" if digest else ""
+            lines.append(f"  {name}: image-net.org [by hand]\n    {check or 'pinned'}")
     if layout.manual:
         lines.append(f"  by hand: {layout.manual}. {layout.how}")
     return lines
