@@ -523,6 +523,8 @@ def fetch(ctx: Context, layout: Layout, item: Download) -> str:
         os.replace(archive, target)
         return f"fetched: {rel(ctx, target)}, {note}"
     print(f"  unpacking {item.filename} ({note})", flush=True)
+    if osp.exists(marker):  # from an earlier copy whose target has gone
+        os.remove(marker)
     unpack(archive, dataset_dir, item)
     expected = ctx.expected(key)
     write_marker(
