@@ -151,7 +151,13 @@ def setup_cfg(args, notes: list | None = None):
     changed, and one per line returned by the trainer's ``translate_cfg``.
     """
     from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
-    from .plugins import env_plugins, load_plugins, plugins_in_files, plugins_in_opts
+    from .plugins import (
+        add_plugin_config,
+        env_plugins,
+        load_plugins,
+        plugins_in_files,
+        plugins_in_opts,
+    )
     from .registry import TRAINER_REGISTRY
     from .repro import apply_reproduction
 
@@ -174,6 +180,9 @@ def setup_cfg(args, notes: list | None = None):
         )
     cfg = get_cfg_default()
     notes = [] if notes is None else notes
+    declared = add_plugin_config(cfg)  # keys of the plugins' repositories (their extend_cfg)
+    if declared:
+        notes.append(f"keys declared by the plugins' extend_cfg: {', '.join(declared)}")
     trainer = TRAINER_REGISTRY.get(args.trainer) if args.trainer in TRAINER_REGISTRY else None
     translate = trainer.translate_key if trainer is not None else None
     if args.dataset_config_file:
