@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import difflib
 import os
 from collections.abc import Callable
 

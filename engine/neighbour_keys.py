@@ -108,8 +108,7 @@ def close_key(known: list[str], full_key: str) -> str | None:
     outside = [
         k
         for k in known
-        if not any(k == n or k.startswith(n + ".") for n in trainer_nodes)
-        or k in trainer_nodes
+        if not any(k == n or k.startswith(n + ".") for n in trainer_nodes) or k in trainer_nodes
     ]
     if parts[0] == "TRAINER":  # TRAINER.<X>: the engine's trainer keys (NAME), no node
         outside = [k for k in outside if k not in trainer_nodes]
@@ -136,3 +135,65 @@ def foreign_key_error(full_key: str, source: str) -> ConfigError | None:
         f"that this project does not have ({node} is its config node). Train a trainer of this "
         f"project instead ({instead}), or remove the {node} keys."
     )
+
+
+# The keys that the train.py of a neighbour's code base declares (its extend_cfg) for its trainer
+# file of this class name and that this project's config lacks: added when such a file is the
+# loaded trainer (dassl.engine.TrainerX.add_config), so that e.g. KgCoOp's kgcoop.py finds
+# TRAINER.COOP.W and ProGrad's prograd.py its LOSS.* keys. Values: their train.py's defaults.
+_COOP_LAYOUT = {"TRAINER.COOP.W": 1.0, "TRAINER.COOP.ALPHA": 1.0}
+_PROGRAD_LAYOUT = {
+    **_COOP_LAYOUT,
+    "LOSS.GM": False,
+    "LOSS.NAME": "",
+    "LOSS.ALPHA": 0.0,
+    "LOSS.T": 1.0,
+    "LOSS.LAMBDA": 1.0,
+}
+FILE_KEYS = {
+    "KgCoOp": _COOP_LAYOUT,  # htyao89/KgCoOp
+    "TCP": _COOP_LAYOUT,  # htyao89/Textual-based_Class-aware_prompt_tuning
+    "ProGrad": _PROGRAD_LAYOUT,  # BeierZhu/Prompt-align
+    "CoPrompt": {  # ShuvenduRoy/CoPrompt
+        "TRAINER.CoPrompt.N_CTX": 2,
+        "TRAINER.CoPrompt.CTX_INIT": "a photo of a",
+        "TRAINER.CoPrompt.PREC": "fp16",
+        "TRAINER.CoPrompt.PROMPT_DEPTH": 9,
+        "TRAINER.W": 8.0,
+        "TRAINER.DISTILL": "cosine",
+    },
+}
+
+
+def add_file_keys(cfg, name: str) -> list[str]:
+    """Add the :data:`FILE_KEYS` of the trainer file class ``name`` that ``cfg`` lacks."""
+    from yacs.config import CfgNode
+
+    added = []
+    for key, value in FILE_KEYS.get(name, {}).items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if part not in node:
+                node[part] = CfgNode()
+            node = node[part]
+        if leaf not in node:
+            node[leaf] = value
+            added.append(key)
+    return added
+
+
+CTX_INIT_WORDS = "a photo of a"  # what the neighbours' files use when CTX_INIT is true
+
+
+def ctx_init_words(key: str, value) -> list[tuple[str, object]]:
+    """A neighbour's boolean ``<NODE>.CTX_INIT`` as words: True -> "a photo of a" (what
+    KgCoOp's, TCP's and ProGrad's files initialise from when it is true), False -> "" (a random
+    context); any other key or value unchanged."""
+    if key.endswith(".CTX_INIT"):
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text in (True, "true"):
+            return [(key, CTX_INIT_WORDS)]
+        if text in (False, "false"):
+            return [(key, "")]
+    return [(key, value)]
