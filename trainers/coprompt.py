@@ -347,6 +347,7 @@ class CoPrompt(MaPLe):
             notes.append(
                 f"CoPrompt's train.py values for {cfg.DATASET.NAME} ({overlay}): "
                 + (", ".join(changed) or "no change")
+                + " (the KEY VALUE options win over them)"
             )
         if not node.DESCRIPTIONS_DIR and osp.isdir(COPROMPT_GPT_FOLDER):
             node.DESCRIPTIONS_DIR = osp.abspath(COPROMPT_GPT_FOLDER)
