@@ -97,6 +97,11 @@ def trainer_file_error(cls, e: BaseException, stage: str) -> TrainerFileError | 
         )
     )
     name = cls.__name__
+    if ".cuda(" in line:  # a file that moves its model to the GPU itself
+        named += (
+            "; the file moves its model to the GPU itself (.cuda()), so it needs a GPU, as in "
+            "its own repository"
+        )
     return TrainerFileError(
         f"The trainer file {file} ({name}) failed {stage}: {what} at "
         f"{where.filename}:{where.lineno}{own}: `{line}`{named}. {_route(cls, name, file)}"
