@@ -385,12 +385,13 @@ def test_tcp_scripts_train_and_test_and_its_parser_reads_the_results(tmp_path, t
     for path in skipped:
         if path.parent.parent.parent.parent.name == "dtd":
             path.rmdir()  # the parser reads every seed folder
-    for folder in (train.parent, test.parent):  # TCP's eval.sh: --test-log on both
-        rel = osp.relpath(folder, repo) + "/"
-        argv = [sys.executable, "parse_test_res.py", rel, "--test-log"]
-        proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert proc.stdout.startswith(f"* {rel.split('/')[2]} dtd accuracy: "), proc.stdout
+    # TCP's eval.sh: its parser with --test-log on the evaluation (and the training) folder
+    rel = osp.relpath(test.parent, repo) + "/"
+    argv = [sys.executable, "parse_test_res.py", rel, "--test-log"]
+    proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("* test_new dtd accuracy: "), proc.stdout
+    assert parse_test_res(str(train), "=> result") is not None
 
 
 @pytest.mark.slow
