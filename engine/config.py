@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import difflib
 import os
 from collections.abc import Callable
 
@@ -314,7 +315,12 @@ def _unknown_key(cfg: CN, full_key: str, source: str) -> ConfigError:
     if foreign is not None:
         return foreign
     known = _all_keys(cfg)
-    close = close_key(known, full_key)  # never another trainer's node
+    if full_key.startswith("TRAINER."):
+        close = close_key(known, full_key)  # never another trainer's node
+    else:
+        engine_keys = [k for k in known if not k.startswith("TRAINER.")]
+        found = difflib.get_close_matches(full_key, engine_keys, n=1, cutoff=0.6)
+        close = found[0] if found else None
     hint = f" (do you mean {close}?)" if close else ""
     node = full_key.rsplit(".", 1)[0] if "." in full_key else ""
     if node.startswith("TRAINER.") and node not in known:

@@ -89,30 +89,24 @@ def neighbour_layout_error(full_key: str, source: str) -> ConfigError | None:
 
 
 def close_key(known: list[str], full_key: str) -> str | None:
-    """The known key nearest to the unknown ``full_key`` within its own scope: a trainer's key
-    is compared with the keys of that trainer's node only (never another trainer's), an
-    unknown trainer node only with the same node name in other case, and any other key with
-    the keys outside the trainer nodes."""
+    """The known key nearest to the unknown trainer key ``full_key`` (``TRAINER.*``) within its
+    own scope: a key of a trainer's node is compared with the keys of that node only (never
+    another trainer's), an unknown trainer node only with the same node name in other case,
+    and ``TRAINER.<X>`` with the engine's own ``TRAINER.*`` keys (``NAME``)."""
     import difflib
 
     parts = full_key.split(".")
-    if parts[0] == "TRAINER" and len(parts) >= 3:
+    nodes = {k for k in known if k.startswith("TRAINER.") and k.count(".") == 1}
+    if len(parts) >= 3:
         node = f"TRAINER.{parts[1]}"
         if node in known:
             inside = [k[len(node) + 1 :] for k in known if k.startswith(node + ".")]
             close = difflib.get_close_matches(".".join(parts[2:]), inside, n=1, cutoff=0.6)
             return f"{node}.{close[0]}" if close else None
-        same = [k for k in known if k.count(".") == 1 and k.upper() == node.upper()]
+        same = [k for k in nodes if k.upper() == node.upper()]
         return f"{same[0]}.{'.'.join(parts[2:])}" if same else None
-    trainer_nodes = {k for k in known if k.startswith("TRAINER.") and k.count(".") == 1}
-    outside = [
-        k
-        for k in known
-        if not any(k == n or k.startswith(n + ".") for n in trainer_nodes) or k in trainer_nodes
-    ]
-    if parts[0] == "TRAINER":  # TRAINER.<X>: the engine's trainer keys (NAME), no node
-        outside = [k for k in outside if k not in trainer_nodes]
-    close = difflib.get_close_matches(full_key, outside, n=1, cutoff=0.6)
+    own = [k for k in nodes if not any(j.startswith(k + ".") for j in known)]  # leaves only
+    close = difflib.get_close_matches(full_key, own, n=1, cutoff=0.6)
     return close[0] if close else None
 
 
