@@ -169,6 +169,18 @@ for name in ("ProGrad", "KgCoOp"):
     cls = TRAINER_REGISTRY.get(name)
     print(json.dumps({"case": name, "module": cls.__module__,
                       "file": sys.modules[cls.__module__].__file__}))
+from engine.cli import build_parser, setup_cfg  # a plugin's own extend_cfg
+cfg = setup_cfg(build_parser().parse_args(
+    ["--plugin", sys.argv[3], "--trainer", "CoOp", "MYLAB.ALPHA", "0.5"]))
+print(json.dumps({"case": "extend_cfg", "values": [cfg.MYLAB.ALPHA, cfg.MYLAB.NAME]}))
+"""
+OWN_KEYS = """from yacs.config import CfgNode as CN
+
+
+def extend_cfg(cfg):
+    cfg.MYLAB = CN()
+    cfg.MYLAB.ALPHA = 1.0
+    cfg.MYLAB.NAME = "mine"
 """
 
 
@@ -196,10 +208,12 @@ def test_trainer_files_of_another_repository_load_refuse_and_fail_as_one_paragra
         run("tcp", "tcp", "--plugin", "trainers.tcp", "--trainer", "TCP"),
         run("mmrl", "mmrl", "--plugin", "trainers.mmrl", "--trainer", "MMRL"),
     ]  # fmt: skip
+    own_keys = tmp_path / "mylab_keys.py"
+    own_keys.write_text(OWN_KEYS)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("SAMPLE_PL_PLUGINS", None)
     proc = subprocess.run(
-        [sys.executable, "-c", _DRIVER, json.dumps(cases), str(repo)],
+        [sys.executable, "-c", _DRIVER, json.dumps(cases), str(repo), str(own_keys)],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -240,6 +254,7 @@ def test_trainer_files_of_another_repository_load_refuse_and_fail_as_one_paragra
         "TRAINER.COOP.CTX_INIT True (config file" in log
         and "-> TRAINER.COOP.CTX_INIT 'a photo of a'" in log
     )
+    assert out["extend_cfg"]["values"] == [0.5, "mine"]  # a plugin's own declared keys
     # a file that fails while building: one paragraph, file, line, missing name, route
     for case, missing, route in (
         ("tcp", "KeyError: ''", "This project has its own TCP"),
