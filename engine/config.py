@@ -105,7 +105,8 @@ _C.DATALOADER.TRAIN_X = CN()
 _C.DATALOADER.TRAIN_X.SAMPLER = "RandomSampler"  # RandomSampler | SequentialSampler
 _C.DATALOADER.TRAIN_X.BATCH_SIZE = 32  # training batch size
 # Dassl's drop_last: drop the last partial batch when the training set is larger than the batch
-# size (set by the protocols of tools/protocols.py for the paper grid). False keeps every sample
+# size (set by the protocols of experiments/protocols.py for the paper grid). False keeps every
+# sample
 _C.DATALOADER.TRAIN_X.DROP_LAST = False
 _C.DATALOADER.TEST = CN()
 _C.DATALOADER.TEST.SAMPLER = "SequentialSampler"  # sampler of val/test loaders

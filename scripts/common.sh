@@ -4,7 +4,7 @@
 # the runs and their folders, fetches the configured CLIP weights once (downloaded into
 # ~/.cache/clip on first use; SAMPLE_PL_OFFLINE=1: never; docs/weights.md), checks the data,
 # configs and weights, skips finished runs, resumes interrupted ones and then runs train.py. The
-# layout is in tools/protocols.py.
+# layout is in experiments/protocols.py.
 #
 # Environment [default]:
 #   DATA     dataset root, the folder holding dtd/, imagenet/, ... (required unless --dry-run)

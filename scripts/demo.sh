@@ -106,12 +106,12 @@ EOF
 } | tee "$OUT/table.txt"
 
 step "5/5 plots: loss landscape and gradient alignment (seed ${SEEDS%% *}) in $PLOTS"
-# the train_base run folders of the first seed, one per optimizer (the layout of tools/protocols.py)
+# the train_base run folders of the first seed, one per optimizer (the layout of experiments/protocols.py)
 # shellcheck disable=SC2086  # OPTIMS is a space-separated list
 mapfile -t RUNS < <("$PY" - "$OUT" "$SHOTS" "${SEEDS%% *}" "$EPOCHS" "$CFG" "$REPRO" $OPTIMS <<'PYEOF'
 import sys
 
-from tools.protocols import Setup, base2new_chain
+from experiments.protocols import Setup, base2new_chain
 
 out, shots, seed, epochs, cfg, repro, *optims = sys.argv[1:]
 tag = f"ep{epochs}" if epochs else ""

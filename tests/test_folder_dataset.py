@@ -18,9 +18,10 @@ from datasets.folder import inspect_folder
 from datasets.synthetic import FOLDER_FORMATS, make_folder_dataset, make_image_folder
 from engine.data import build_dataset
 from engine.errors import ConfigError, DataError
-from tools import check_data, grid, make_tables, protocols
-from tools.parse_results import read_run
-from tools.protocols import ProtocolError, Setup
+from experiments import grid_plan, protocols
+from experiments.protocols import ProtocolError, Setup
+from experiments.results import read_run
+from tools import check_data, grid, make_tables
 
 FOLDER_CFG = "configs/datasets/folder.yaml"
 NAMES = ["great white shark", "red panda", "tabby cat", "tree frog"]  # red_panda: "_" -> " "
@@ -280,10 +281,10 @@ def test_check_data_on_folder_datasets(tmp_path, capsys):
 
 def test_grid_names_folder_datasets(tmp_path):
     setup = Setup(data="DATA", output=str(tmp_path), shots=4, plugins=("/abs/reader.py",))
-    grids = grid.select(None, trainers=["CoOp"], optims=["sgd"], seeds=[1],
+    grids = grid_plan.select(None, trainers=["CoOp"], optims=["sgd"], seeds=[1],
                         protocols=["base2new", "cross_dataset"], datasets=["folder:birds"],
                         xd_targets=["folder:birds"])  # fmt: skip
-    b2n, xd = grid.expand(grids, setup)
+    b2n, xd = grid_plan.expand(grids, setup)
     train, test = b2n.runs
     assert train.out_dir == str(
         tmp_path / "base2new/train_base/birds/shots_4/CoOp/vit_b16_ctxv1/seed1"
@@ -298,7 +299,7 @@ def test_grid_names_folder_datasets(tmp_path):
     assert "DATASET.FOLDER" not in " ".join(xd.train.command(setup))  # ImageNet training
     for bad, msg in (("folder:dtd", "built-in dataset's name"), ("folder:a b", "letters, digits")):
         with pytest.raises(ProtocolError, match=msg):
-            grid.expand(grid.select(None, trainers=["CoOp"], datasets=[bad]), setup)
+            grid_plan.expand(grid_plan.select(None, trainers=["CoOp"], datasets=[bad]), setup)
     args = grid.build_parser().parse_args(
         ["--trainers", "CoOp", "--plugin", "r.py", "--plugin", "m.x"]
     )
@@ -308,8 +309,8 @@ def test_grid_names_folder_datasets(tmp_path):
     own = tmp_path / "cfgs" / "my_animals.yaml"
     own.parent.mkdir()
     own.write_text("DATASET:\n  NAME: MyAnimals\n")
-    grids = grid.select(None, trainers=["CoOp"], datasets=[str(own)], seeds=[1])
-    (chain,) = grid.expand(grids, setup)
+    grids = grid_plan.select(None, trainers=["CoOp"], datasets=[str(own)], seeds=[1])
+    (chain,) = grid_plan.expand(grids, setup)
     cmd = chain.train.command(setup)
     assert cmd[cmd.index("--dataset-config-file") + 1] == str(own)
     assert "/train_base/my_animals/shots_4/" in chain.train.out_dir

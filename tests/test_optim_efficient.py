@@ -511,8 +511,8 @@ def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
 
 
 def test_grid_runs_every_efficient_optimizer(tmp_path):
+    from experiments.protocols import Setup
     from tools import grid
-    from tools.protocols import Setup
 
     grids = grid.select("efficient-base2new", trainers=["CoOp"], datasets=["dtd"], seeds=[1])
     chains = grid.expand(grids, Setup(output=str(tmp_path)))

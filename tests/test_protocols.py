@@ -13,10 +13,9 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from tools import grid, make_tables, protocols
-from tools.grid import GridError, expand, run_local, select, submit_slurm
-from tools.parse_results import read_run
-from tools.protocols import (
+from experiments import grid_plan, protocols
+from experiments.grid_plan import expand, select
+from experiments.protocols import (
     ProtocolError,
     Setup,
     cfg_component,
@@ -25,6 +24,9 @@ from tools.protocols import (
     split_cfg_component,
     trainer_config_files,
 )
+from experiments.results import read_run
+from tools import grid, make_tables
+from tools.grid import GridError, run_local, submit_slurm
 
 # A stand-in for `python train.py ...`: writes what train.py writes that the grid reads (a log
 # with a result, config.yaml and a checkpoint) and records its GPU and arguments.
@@ -92,7 +94,7 @@ def test_paper_grid_dry_run(tmp_path, capsys):
         f"{out}/evaluation/CoOp/vit_b16_ep50_ctxv1_16shots/imagenet_r/seed3",
     ):
         assert f"\n{'':>16}{folder}\n" in text, folder
-    chains = expand(grid.PRESETS["paper"], Setup(output=out))
+    chains = expand(grid_plan.PRESETS["paper"], Setup(output=out))
     dirs = [r.out_dir for c in chains for r in c.runs]
     assert len(dirs) == len(set(dirs)) == 2100  # optimizers never share a folder
     for chain in chains:
@@ -103,7 +105,7 @@ def test_paper_grid_dry_run(tmp_path, capsys):
 def test_transfer_protocols_share_the_imagenet_training():
     setup = Setup(output="o")
     both = _chains(
-        setup, trainers=["MaPLe"], optims=["sample"], seeds=[1], protocols=grid._TRANSFER
+        setup, trainers=["MaPLe"], optims=["sample"], seeds=[1], protocols=grid_plan._TRANSFER
     )
     assert len(both) == 1 and len(both[0].evals) == 14
     dg = _chains(setup, trainers=["MaPLe"], optims=["sample"], seeds=[1], protocols=["domain_gen"])
@@ -329,7 +331,7 @@ def test_slurm_submission_through_submitit(tmp_path, fake_python, monkeypatch, c
 
 
 def test_slurm_status_gpus_and_a_refused_submission(tmp_path, fake_python, monkeypatch, capsys):
-    from tools import grid_slurm
+    from experiments import grid_slurm
 
     class Executor:
         refuse = False
@@ -384,7 +386,7 @@ def test_slurm_status_gpus_and_a_refused_submission(tmp_path, fake_python, monke
 
 
 def test_slurm_wait_reports_requeues_and_each_chains_end(tmp_path, monkeypatch, capsys):
-    from tools import grid_slurm
+    from experiments import grid_slurm
 
     records = []
     for i in range(3):

@@ -15,8 +15,8 @@ import urllib.parse
 import pytest
 from run_folders import eval_log, fake_base2new, train_log, write_run
 
+from experiments.protocols import Setup, cfg_component, transfer_dirs
 from tools import make_tables
-from tools.protocols import Setup, cfg_component, transfer_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T_975_2 = 4.302652729749462  # Student t quantile 0.975, 2 degrees of freedom
@@ -174,7 +174,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 
 def test_grid_accepts_any_seed_list():
-    from tools.grid import GridError, select
+    from experiments.grid_plan import select
+    from tools.grid import GridError
 
     (grid,) = select(None, trainers=["CoOp"], seeds=[0, 7, 42, 7, 1000])
     assert grid.seeds == (0, 7, 42, 1000)

@@ -38,48 +38,15 @@ from tabulate import tabulate  # noqa: E402
 from datasets import PAPER_DATASETS  # noqa: E402
 from datasets.common import Layout  # noqa: E402
 from datasets.folder import PREFIX as FOLDER_PREFIX  # noqa: E402
-from datasets.folder import folder_layout, inspect_folder  # noqa: E402
+from datasets.folder import inspect_folder  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.plugins import env_plugins, load_plugins  # noqa: E402
-from engine.registry import DATASET_REGISTRY  # noqa: E402
-from tools.verify_data import verify_dataset  # noqa: E402
+from experiments.layouts import find_layout  # noqa: E402
+from experiments.verify_data import verify_dataset  # noqa: E402
 
 READY, PARTIAL, MISSING = "ready", "partial", "missing"
 UNCHECKED = "unchecked"  # a registered reader without a declared layout (it checks at start-up)
 HOW = "how to get it: "  # prefix of the details line that says how to obtain the dataset
-
-
-def find_layout(name: str) -> Layout | None:
-    """The layout of a dataset given by reader name (``Caltech101``), config / module name
-    (``caltech101``) or folder name (``caltech-101``), case-insensitively; None for a registered
-    reader that declares no layout.
-
-    ``folder:<folder>`` is the folder dataset ``<folder>`` (``DATASET.NAME Folder``).
-
-    Raises:
-        KeyError: no reader matches; the message lists the known names.
-    """
-    if name.startswith(FOLDER_PREFIX) and name[len(FOLDER_PREFIX) :].strip("/"):
-        return folder_layout(name[len(FOLDER_PREFIX) :])
-    if name.lower() == "folder":
-        raise KeyError(
-            "Folder reads the folder DATASET.FOLDER: check it as folder:<that folder>, e.g. "
-            "folder:mydata"
-        )
-    known: dict[str, Layout | None] = {}
-    for reg_name in DATASET_REGISTRY:
-        cls = DATASET_REGISTRY.get(reg_name)
-        layout = getattr(cls, "layout", None)
-        layout = layout if isinstance(layout, Layout) else None
-        keys = [reg_name, cls.__module__.rsplit(".", 1)[-1]] + ([layout.folder] if layout else [])
-        for key in keys:
-            known.setdefault(key.lower(), layout)
-    if name.lower() not in known:
-        raise KeyError(
-            f"Unknown dataset '{name}'; known: {', '.join(DATASET_REGISTRY)} (or their config "
-            "file or folder names)"
-        )
-    return known[name.lower()]
 
 
 def found_folder(layout: Layout) -> bool:
@@ -149,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "--verify",
         action="store_true",
         help="prove the datasets ready: read by their readers, every image of every split "
-        "present and readable, class and image counts (tools/verify_data.py)",
+        "present and readable, class and image counts (experiments/verify_data.py)",
     )
     args = parser.parse_args(argv)
     try:

@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tools.plotting import (  # noqa: E402
+from experiments.plotting import (  # noqa: E402
     optimizer_name,
     pyplot,
     read_run_config,
@@ -100,7 +100,7 @@ def load_run_trainer(run_dir: str, output_dir: str, epoch: int | None = None, op
     """
     from engine import build_trainer
     from engine.utils import set_random_seed
-    from tools.protocols import load_epoch
+    from experiments.protocols import load_epoch
 
     if osp.abspath(output_dir) == osp.abspath(run_dir):
         raise ValueError("output_dir must not be the run folder (it would be written to)")

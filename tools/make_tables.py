@@ -13,10 +13,10 @@ without any run folder are left out unless ``--show-empty``). A mean over fewer 
 grid asks for is marked ``*`` and every missing or failed run is listed under the table; an
 average over datasets is left empty until every dataset has a result. Seed folders beyond the
 grid's ``--seeds`` are used too (every seed found counts); each table's heading says how many
-seeds its cells have. The paper's numbers come from ``tools/paper_results.csv``; they are compared
-only where the grid's datasets/targets are the paper's.
+seeds its cells have. The paper's numbers come from ``experiments/paper_results.csv``; they are
+compared only where the grid's datasets/targets are the paper's.
 
-Paired comparisons (``tools/stats.py``): under each base-to-new, cross-dataset and domain
+Paired comparisons (``experiments/stats.py``): under each base-to-new, cross-dataset and domain
 generalisation table, the difference a - b of two methods per column, over the seeds both have
 (same seed, same few-shot draw), with a 95% Student-t interval; the average row/column has a 95%
 bootstrap interval over dataset x seed and the p-value of a Wilcoxon signed-rank test over
@@ -24,7 +24,7 @@ datasets. A difference whose interval contains 0 is marked ``†`` (not resolved
 Default pairs: each sharpness-aware row against its trainer's base-optimizer (``sgd``) row;
 ``--compare A B`` (repeatable) picks any two methods; ``--seeds-needed [DELTA]`` adds how many
 seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
-report (``tools/report.py``).
+report (``experiments/report.py``).
 
 Reproduction modes (docs/reproducing.md): ``--repro paper``, ``--repro released`` or
 both (the default: every mode that has run folders). When runs of the ``released`` mode are in
@@ -58,15 +58,9 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.cost_table import cost_table  # noqa: E402
-from tools.grid import (  # noqa: E402
-    GridError,
-    add_grid_args,
-    expand_modes,
-    grids_from_args,
-    setup_from_args,
-)
-from tools.paper_results import (  # noqa: E402
+from experiments.cost_table import cost_table  # noqa: E402
+from experiments.grid_plan import expand_modes  # noqa: E402
+from experiments.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
     OPTIMIZER_TITLES,
     OPTIMIZERS,
@@ -77,14 +71,14 @@ from tools.paper_results import (  # noqa: E402
     split_mode,
     with_mode,
 )
-from tools.parse_results import SeedStats, collect_seeds, group_seeds  # noqa: E402
-from tools.protocols import (  # noqa: E402
+from experiments.protocols import (  # noqa: E402
     SOURCE_DATASET,
     Chain,
     ProtocolError,
     dataset_title,
 )
-from tools.stats import (  # noqa: E402
+from experiments.results import SeedStats, collect_seeds, group_seeds  # noqa: E402
+from experiments.stats import (  # noqa: E402
     Diff,
     across_datasets,
     describe_methods,
@@ -95,7 +89,7 @@ from tools.stats import (  # noqa: E402
     per_seed_hm,
     seeds_needed,
 )
-from tools.tables_model import (  # noqa: E402
+from experiments.tables_model import (  # noqa: E402
     MARK,
     RECORD_FIELDS,
     Cell,
@@ -107,6 +101,7 @@ from tools.tables_model import (  # noqa: E402
     legend,
     render_rows,
 )
+from tools.grid import GridError, add_grid_args, grids_from_args, setup_from_args  # noqa: E402
 
 TABLE_NAMES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 FORMATS = ("terminal", "markdown", "csv", "latex")
@@ -620,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(render(tables, fmt, args.std))
         print(f"Saved tables.txt/.md/.csv/.tex in {args.save}")
     if args.report:
-        from tools.report import write_report
+        from experiments.report import write_report
 
         path = write_report(results, args.report, std=args.std)
         print(f"Report: {path}")

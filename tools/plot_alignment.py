@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script
 
 import numpy as np  # noqa: E402
 
-from tools.plotting import (  # noqa: E402
+from experiments.plotting import (  # noqa: E402
     optimizer_name,
     pyplot,
     read_run_config,

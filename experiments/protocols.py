@@ -50,8 +50,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 
-from tools.paper_results import DATASET_TITLES, TARGETS_BY_TABLE
-from tools.parse_results import read_run
+from experiments.paper_results import DATASET_TITLES, TARGETS_BY_TABLE
+from experiments.results import read_run
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CHECK_DATA_TOOL = osp.join(REPO, "tools", "check_data.py")  # the datasets' checker

@@ -2,12 +2,12 @@
 
 ``DIR/index.html`` holds, without any network access (charts are PNGs embedded as base64):
 
-- the paired differences of each table (a - b with their intervals, ``tools/stats.py``) as a
+- the paired differences of each table (a - b with their intervals, ``experiments/stats.py``) as a
   chart and as tables, intervals that contain 0 marked and drawn grey;
 - per base-to-new dataset, a bar chart of Base / New / HM per method: bars are seed means, the
   black whiskers the seed range (min to max), dots the single seeds, white diamonds the paper's
-  numbers (``tools/paper_results.py``); the same for the cross-dataset and domain generalization
-  columns;
+  numbers (``experiments/paper_results.py``); the same for the cross-dataset and domain
+  generalization columns;
 - the result tables (as ``make_tables.py`` prints them) with their notes;
 - every run behind the numbers with a relative link to its log file.
 
@@ -26,12 +26,12 @@ import os
 import os.path as osp
 import urllib.parse
 
-from tools.paper_results import paper_value, row_title
-from tools.parse_results import log_files, read_run
-from tools.plotting import color_of, pyplot
-from tools.protocols import SOURCE_DATASET, dataset_title
-from tools.stats import describe_methods, per_seed_hm
-from tools.tables_model import MARK, DiffCell, Results, Table, legend, render_rows
+from experiments.paper_results import paper_value, row_title
+from experiments.plotting import color_of, pyplot
+from experiments.protocols import SOURCE_DATASET, dataset_title
+from experiments.results import log_files, read_run
+from experiments.stats import describe_methods, per_seed_hm
+from experiments.tables_model import MARK, DiffCell, Results, Table, legend, render_rows
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }

@@ -1,5 +1,5 @@
 """The table model shared by ``tools/make_tables.py`` (which builds and renders the tables) and
-``tools/report.py`` (which draws them as HTML): cells, paired-difference cells, method pairs,
+``experiments/report.py`` (which draws them as HTML): cells, paired-difference cells, method pairs,
 format-independent tables with their CSV records, the cell texts and the legend under them, and
 :class:`Results`, what the tables were built from.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tools.paper_results import row_title
-from tools.parse_results import SeedStats
-from tools.stats import Diff, describe_methods
+from experiments.paper_results import row_title
+from experiments.results import SeedStats
+from experiments.stats import Diff, describe_methods
 
 MARK = "\u2020"  # dagger: the difference's interval contains 0
 RECORD_FIELDS = (

@@ -1,4 +1,4 @@
-"""The SAMPLe paper's result tables, kept as data (``tools/paper_results.csv``).
+"""The SAMPLe paper's result tables, kept as data (``experiments/paper_results.csv``).
 
 The CSV has one row per published number: ``table,trainer,optimizer,dataset,metric,value``.
 
@@ -165,7 +165,7 @@ def load_paper_results(path: str = PAPER_CSV) -> dict[tuple[str, str, str, str, 
     """Read the paper's numbers.
 
     Args:
-        path: the CSV file (default: ``tools/paper_results.csv``).
+        path: the CSV file (default: ``experiments/paper_results.csv``).
 
     Returns:
         ``{(table, trainer, optimizer, dataset, metric): value}``.

@@ -14,7 +14,7 @@ the statistics below work on per-seed differences, never on two independent mean
   size with the observed seed spread: the smallest ``n`` with
   ``(t_{n-1, 1-alpha/2} + t_{n-1, power}) * sd / sqrt(n) <= |delta|`` (95% interval, 80% power).
 
-Used by ``tools/make_tables.py`` and ``tools/report.py``; ``hm`` and ``per_seed_hm`` are the
+Used by ``tools/make_tables.py`` and ``experiments/report.py``; ``hm`` and ``per_seed_hm`` are the
 harmonic mean of base and new accuracy as everywhere in this code base.
 
 Example::
