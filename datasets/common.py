@@ -315,6 +315,12 @@ class CoOpDataset(DatasetBase):
         train, val, test = fewshot_and_subsample(self, cfg, train, val, test)
         super().__init__(train_x=train, val=test if self.val_is_test else val, test=test)
 
+    @classmethod
+    def layout_for(cls, cfg) -> Layout:
+        """The layout this reader requires for ``cfg`` (``train.py`` checks it before the
+        run folder is written, :mod:`engine.preflight`)."""
+        return cls.layout
+
     def check_splits(self, cfg, train, val, test) -> None:
         """A reader's own checks of the parsed splits, before the few-shot draw (the built-in
         readers have none: a class with fewer images than DATASET.NUM_SHOTS keeps them all,
@@ -402,6 +408,11 @@ class EvalOnlyDataset(DatasetBase):
 
     layout: Layout
     image_subdir = ""
+
+    @classmethod
+    def layout_for(cls, cfg) -> Layout:
+        """The layout this reader requires (checked before the run folder is written)."""
+        return cls.layout
 
     def __init__(self, cfg):
         root = cfg.DATASET.ROOT

@@ -271,14 +271,18 @@ class Folder(CoOpDataset):
     """A dataset from a folder of images or lists (module docstring); ``DATASET.FOLDER``."""
 
     def __init__(self, cfg):
-        folder = cfg.DATASET.FOLDER
-        if not folder:
+        self.layout = self.layout_for(cfg)
+        super().__init__(cfg)
+
+    @classmethod
+    def layout_for(cls, cfg) -> Layout:
+        """The layout of the folder ``DATASET.FOLDER`` (ConfigError when it is empty)."""
+        if not cfg.DATASET.FOLDER:
             raise ConfigError(
                 "DATASET.NAME Folder reads the folder DATASET.FOLDER under DATASET.ROOT, but "
                 "DATASET.FOLDER is empty: pass e.g. DATASET.FOLDER mydata (docs/own-dataset.md)"
             )
-        self.layout = folder_layout(folder)
-        super().__init__(cfg)
+        return folder_layout(cfg.DATASET.FOLDER)
 
     def read_splits(self, cfg):
         """The lists, or the split file (made from the lists or the class folders if absent)."""
