@@ -15,6 +15,10 @@ import logging
 import sys
 
 logger = logging.getLogger("train")  # the name of the log lines users grep for
+_MODES = {  # the line every run's log starts with (docs/reproducing.md)
+    "paper": "the method as the paper writes it; the default of every command",
+    "released": "an emulation of the SAMPLe authors' released code, chosen with --repro released",
+}
 
 
 class _ConfigFiles(argparse.Action):
@@ -250,6 +254,7 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
         )
     if moved:
         logger.warning("--overwrite: the previous content of %s is now in %s", folder.path, moved)
+    logger.info("Reproduction mode: %s (%s)", cfg.REPRODUCTION, _MODES.get(cfg.REPRODUCTION, ""))
     for note in notes:  # another code base's keys, mapped by the trainer (translate_key/_cfg)
         logger.info("Config translated for --trainer %s: %s", cfg.TRAINER.NAME, note)
     dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))

@@ -1,10 +1,12 @@
 """A misspelled --trainer or a dataset root without the dataset: one message, printed once, before
-any config is logged, and no output folder left behind (engine/preflight.py)."""
+any config is logged, and no output folder left behind (engine/preflight.py); every run's log
+states its reproduction mode."""
 
 from __future__ import annotations
 
 import os.path as osp
 
+import pytest
 from conftest import ROOT, run_train
 
 from engine.cli import run
@@ -58,3 +60,15 @@ def test_folder_dataset_without_its_folder_is_refused_before_the_run_folder(tmp_
     err = capsys.readouterr().err
     assert "folder:mydata: not found" in err and "docs/own-dataset.md" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("repro", [[], ["--repro", "released"]])
+def test_every_run_log_states_its_reproduction_mode(tmp_path, dtd_root, tiny_clip_opts, repro):
+    out = tmp_path / "run"
+    args = [*_args(dtd_root, str(out)), *repro, "--no-train", *tiny_clip_opts]
+    assert run([*args, "DATASET.NUM_SHOTS", "2"]) == 0
+    log = (out / "log.txt").read_text()
+    mode = "released" if repro else "paper"
+    (line,) = [x for x in log.splitlines() if x.startswith("Reproduction mode: ")]
+    assert line.startswith(f"Reproduction mode: {mode} (")
+    assert log.index(line) < log.index("** Config **")  # before the config dump

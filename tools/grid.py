@@ -46,9 +46,9 @@ change the experiment belong with a ``--tag``, or their runs share the default f
 ``--repro paper|released`` (both: ``--repro paper released``; default ``$REPRO``) picks the
 reproduction mode (docs/reproducing.md): ``paper`` keeps the folders above,
 ``released`` (an emulation of the SAMPLe authors' released code) runs ``train.py --repro
-released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, the
-paper's grids (``--preset paper*``) run ``released``, the mode judged more likely to reproduce
-the published tables (docs/reproducing.md); other grids run ``paper``.
+released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, every
+grid runs ``paper``, as train.py, the scripts and the demo do (one rule: ``paper`` unless
+``released`` is named; docs/reproducing.md).
 """
 
 from __future__ import annotations
@@ -399,8 +399,7 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=REPRO_MODES,
         help="reproduction mode(s): paper and/or released (the SAMPLe authors' released code "
-        "emulated; folders tagged 'released'). Default: $REPRO, else released for --preset "
-        "paper* (the paper's grids) and paper for other grids",
+        "emulated; folders tagged 'released'). Default: $REPRO, else paper (as train.py)",
     )
 
 
@@ -458,15 +457,15 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
 
 
 def repro_modes(args) -> list[str]:
-    """The reproduction modes of a grid: ``--repro``, else ``$REPRO``, else ``released`` for
-    the paper's grids (``--preset paper*``) and ``paper`` for other grids."""
+    """The reproduction modes of a grid: ``--repro``, else ``$REPRO``, else ``paper`` (the
+    default of train.py, the scripts and the demo alike)."""
     given = getattr(args, "repro", None) or os.environ.get("REPRO", "").split()
     if given:
         bad = [m for m in given if m not in REPRO_MODES]
         if bad:
             raise GridError(f"Reproduction mode {bad[0]!r} ($REPRO): one of {REPRO_MODES}")
         return list(dict.fromkeys(given))
-    return ["released" if (getattr(args, "preset", None) or "").startswith("paper") else "paper"]
+    return ["paper"]
 
 
 def expand_modes(grids: list[SubGrid], setup: Setup, modes) -> list[Chain]:
