@@ -85,6 +85,7 @@ from tools.protocols import (  # noqa: E402
     fetch_weights,
     preflight,
     run_status,
+    shots_warnings,
     transfer_chain,
 )
 
@@ -599,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = setup_from_args(args, opts)
         chains = expand_modes(grids_from_args(args), setup, repro_modes(args))
         pending = print_plan(chains, setup, args.dry_run, args.commands)
+        for line in shots_warnings(chains, setup) if pending else []:  # dry runs included
+            print(f"warning: {line}", flush=True)
         if args.dry_run or not pending:
             return 0
         if not setup.data:
