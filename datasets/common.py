@@ -87,6 +87,9 @@ CLASSNAMES_DOWNLOAD = Download(
 )
 
 
+GENERATED = "GENERATED.txt"  # in a dataset folder: a generated stand-in (tools/make_toy.py)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A dataset's expected files under ``DATASET.ROOT/<folder>``.
@@ -157,9 +160,17 @@ class Layout:
         """The sorted class sub-folders of ``class_dir`` (hidden and ``ignored`` ones left out)."""
         return subfolders(osp.join(self.dir(root), class_dir), self.ignored)
 
+    def generated(self, root: str) -> bool:
+        """Whether the dataset folder is a generated stand-in (it holds :data:`GENERATED`, e.g.
+        ``tools/make_toy.py``'s): its class count is its own, not the real dataset's."""
+        return osp.isfile(osp.join(self.dir(root), GENERATED))
+
     def class_count_problems(self, root: str) -> list[str]:
-        """One line per class folder whose number of classes differs from ``num_classes``."""
+        """One line per class folder whose number of classes differs from ``num_classes`` (none
+        for a generated stand-in)."""
         out = []
+        if self.generated(root):
+            return out
         for class_dir in self.class_dirs:
             if not osp.isdir(osp.join(self.dir(root), class_dir)):
                 continue

@@ -102,3 +102,21 @@ def make_cfg(opts=(), trainer="CoOp", dataset_cfg="configs/datasets/dtd.yaml", c
     if config_file:
         args += ["--config-file", osp.join(ROOT, config_file)]
     return setup_cfg(build_parser().parse_args(args + list(opts)))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the end: what was not run, grouped by test file and reason (e.g. the SLURM
+    tests without a local cluster, the browser check without Chromium), and the tests that
+    ``-m`` left out."""
+    groups: dict[tuple[str, str], int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ").split("\n")[0]
+        key = (report.nodeid.split("::")[0], reason)
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{path} x{n}: {reason}" for (path, reason), n in sorted(groups.items())]
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if deselected:
+        parts.append(f"{deselected} deselected by -m {config.getoption('markexpr')!r}")
+    if parts:
+        terminalreporter.write_line("Not run: " + "; ".join(parts))
