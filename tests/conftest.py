@@ -117,6 +117,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     parts = [f"{path} x{n}: {reason}" for (path, reason), n in sorted(groups.items())]
     deselected = len(terminalreporter.stats.get("deselected", []))
     if deselected:
-        parts.append(f"{deselected} deselected by -m {config.getoption('markexpr')!r}")
+        how = [f"{flag} {value!r}" for flag, value in (
+            ("-m", config.getoption("markexpr")), ("-k", config.getoption("keyword"))
+        ) if value]  # fmt: skip
+        parts.append(f"{deselected} deselected by {' '.join(how) or 'the command line'}")
     if parts:
         terminalreporter.write_line("Not run: " + "; ".join(parts))
