@@ -342,6 +342,9 @@ def figure_1d(result: dict, raw: bool = False):
     ax.axvline(0.0, color="k", lw=0.5, ls=":")
     ax.set_xlabel("step along a filter-normalised random direction")
     ax.set_ylabel(_ylabel(scale))
+    if scale != 1.0:  # the losses themselves on the right
+        right = ax.secondary_yaxis("right", functions=(lambda v: v * scale, lambda v: v / scale))
+        right.set_ylabel("loss")
     ax.set_title("Training loss around the learned prompts")
     ax.legend()
     ax.grid(alpha=0.3)
