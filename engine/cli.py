@@ -15,6 +15,10 @@ import logging
 import sys
 
 logger = logging.getLogger("train")  # the name of the log lines users grep for
+_MODES = {  # the line every run's log starts with (docs/reproducing.md)
+    "paper": "the method as the paper writes it; the default of every command",
+    "released": "an emulation of the SAMPLe authors' released code, chosen with --repro released",
+}
 
 
 class _ConfigFiles(argparse.Action):
@@ -209,12 +213,14 @@ def setup_cfg(args, notes: list | None = None):
 def main(args) -> int:
     """Run train.py's command: take the output folder (lock, experiment check), then train or
     evaluate."""
+    from .preflight import check_run_inputs
     from .run_folder import RunFolder
     from .validate import validate_cfg
 
     notes: list[str] = []
     cfg = setup_cfg(args, notes)
     validate_cfg(cfg)  # before the output folder is touched
+    check_run_inputs(cfg)  # the trainer's name and the dataset's folder, as early
     folder = RunFolder(cfg.OUTPUT_DIR)
     folder.acquire()  # one process per folder, for the run's life
     try:
@@ -290,6 +296,7 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
         )
     if moved:
         logger.warning("--overwrite: the previous content of %s is now in %s", folder.path, moved)
+    logger.info("Reproduction mode: %s (%s)", cfg.REPRODUCTION, _MODES.get(cfg.REPRODUCTION, ""))
     for note in notes:  # another code base's keys, mapped by the trainer (translate_key/_cfg)
         logger.info("Config translated for --trainer %s: %s", cfg.TRAINER.NAME, note)
     if not in_place:
@@ -312,6 +319,14 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
     return 0
 
 
+def _log_to_files(error: BaseException) -> None:
+    """Record ``error`` in the log files of the run (not on stdout: it goes to stderr once)."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (error,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def run(argv=None) -> int:
     """Parse ``argv`` and run; user errors become one paragraph on stderr (exit 2), divergence
     exit 3, anything unexpected keeps its traceback."""
@@ -325,7 +340,6 @@ def run(argv=None) -> int:
         user = isinstance(e, UserError) or type(e) in (ValueError, FileNotFoundError)
         if not (user or isinstance(e, FloatingPointError)):
             raise
-        if logging.getLogger().handlers:  # the run's log.txt exists: record the error there
-            logger.error("%s", e)
+        _log_to_files(e)  # the run's log.txt, when it exists; the terminal gets it once:
         print(f"Error: {e}", file=sys.stderr)
         return 2 if user else 3

@@ -169,15 +169,15 @@ def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
 
 
 def repro_modes(args) -> list[str]:
-    """The reproduction modes of a grid: ``--repro``, else ``$REPRO``, else ``released`` for
-    the paper's grids (``--preset paper*``) and ``paper`` for other grids."""
+    """The reproduction modes of a grid: ``--repro``, else ``$REPRO``, else ``paper`` (the
+    default of train.py, the scripts and the demo alike)."""
     given = getattr(args, "repro", None) or os.environ.get("REPRO", "").split()
     if given:
         bad = [m for m in given if m not in REPRO_MODES]
         if bad:
             raise GridError(f"Reproduction mode {bad[0]!r} ($REPRO): one of {REPRO_MODES}")
         return list(dict.fromkeys(given))
-    return ["released" if (getattr(args, "preset", None) or "").startswith("paper") else "paper"]
+    return ["paper"]
 
 
 def expand_modes(grids: list[SubGrid], setup: Setup, modes) -> list[Chain]:

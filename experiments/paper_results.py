@@ -152,9 +152,15 @@ def average_conventions(trainer: str, optimizer: str, metric: str) -> tuple[floa
     return mean("hm"), 2 * base * new / (base + new)
 
 
+ZERO_SHOT = ("CLIP", "zeroshot")  # the zero-shot CLIP row of the tables (make_tables --zeroshot)
+
+
 def row_title(trainer: str, optimizer: str) -> str:
     """The paper's row label: ``CoOp`` for the plain method, ``CoOp+SAMPLe`` otherwise; a row of
-    a reproduction mode (``sample@released``) ends with the mode: ``CoOp+SAMPLe [released]``."""
+    a reproduction mode (``sample@released``) ends with the mode: ``CoOp+SAMPLe [released]``;
+    :data:`ZERO_SHOT` is ``Zero-shot CLIP``."""
+    if (trainer, optimizer) == ZERO_SHOT:
+        return "Zero-shot CLIP"
     name, mode = split_mode(optimizer)
     title = trainer + OPTIMIZER_TITLES.get(name, f"+{name}")
     return f"{title} [{mode}]" if mode else title

@@ -230,11 +230,17 @@ def seeds_needed(
     return None
 
 
-def describe_methods(confidence: float = CONFIDENCE, n_boot: int = N_BOOT) -> str:
-    """One sentence stating the interval and test methods (printed under every comparison)."""
+def describe_methods(
+    confidence: float = CONFIDENCE, n_boot: int = N_BOOT, averages: bool = True
+) -> str:
+    """One sentence stating the interval and test methods (printed under every comparison);
+    ``averages``: include the average rows' bootstrap and Wilcoxon test."""
     c = f"{confidence:.0%}"
+    text = f"differences a - b over paired seeds with a {c} Student-t interval"
+    if not averages:
+        return text
     return (
-        f"differences a - b over paired seeds with a {c} Student-t interval; average rows: "
-        f"{c} percentile bootstrap over dataset x seed ({n_boot:,} resamples, RNG seed "
-        f"{BOOT_SEED}) and p of a two-sided Wilcoxon signed-rank test over datasets"
+        f"{text}; average rows: {c} percentile bootstrap over dataset x seed ({n_boot:,} "
+        f"resamples, RNG seed {BOOT_SEED}) and p of a two-sided Wilcoxon signed-rank test over "
+        "datasets"
     )

@@ -160,7 +160,7 @@ def test_alignment_plot_of_sgd_and_sample_runs(runs, tmp_path):
     _assert_png(png, 20000)
     with open(tmp_path / "alignment.json") as f:
         summary = json.load(f)
-    sample, sgd = summary["CoOp+sample"], summary["CoOp+sgd"]
+    sample, sgd = summary["CoOp+SAMPLe"], summary["CoOp"]
     assert set(sgd) == {"loss"}  # SGD logs no diagnostics
     assert set(sample) == set(metrics)
     stages = sample["cos_g_gp"]
@@ -259,7 +259,7 @@ def test_loss_landscape_command(runs, tmp_path, capsys):
         assert _snapshot(runs[k]) == before[k]
     with open(osp.join(out, "landscape.json")) as f:
         result = json.load(f)
-    assert [r["label"] for r in result["runs"]] == ["CoOp+sgd", "CoOp+sample"]
+    assert [r["label"] for r in result["runs"]] == ["CoOp", "CoOp+SAMPLe"]
     assert loss_landscape.plot_scale(result["runs"], "loss_1d", raw=False) == max(
         abs(v) for r in result["runs"] for v in r["loss_1d"]
     )

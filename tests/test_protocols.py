@@ -70,8 +70,10 @@ def _chains(setup, **axes):
 # -- layout and expansion -----------------------------------------------------------------------
 def test_paper_grid_dry_run(tmp_path, capsys):
     out = str(tmp_path / "output")
-    # the paper's grids run the released code's emulation by default (docs/reproducing.md)
-    assert grid.main(["--preset", "paper", "--dry-run", "--output", out]) == 0
+    # the paper's grids run the paper mode by default, as every command; released is named
+    assert (
+        grid.main(["--preset", "paper", "--dry-run", "--output", out, "--repro", "released"]) == 0
+    )
     text = capsys.readouterr().out
     assert "2100 runs in 855 chains" in text
     b2n = f"{out}/base2new/train_base/dtd/shots_16/CoOp"
@@ -80,7 +82,7 @@ def test_paper_grid_dry_run(tmp_path, capsys):
         f"{b2n}/vit_b16_ctxv1+sample-released/seed3",
     ):
         assert f"\n{'':>16}{folder}\n" in text, folder
-    assert grid.main(["--preset", "paper", "--dry-run", "--output", out, "--repro", "paper"]) == 0
+    assert grid.main(["--preset", "paper", "--dry-run", "--output", out]) == 0
     text = capsys.readouterr().out
     assert "2100 runs in 855 chains: 0 done (skipped), 0 to resume or re-run, 2100 to run" in text
     b2n = f"{out}/base2new/train_base/dtd/shots_16/CoOp"
@@ -444,7 +446,7 @@ def _tiny(tiny_clip_opts):
 def test_base2new_script_end_to_end(tmp_path, dtd_root, tiny_clip_opts):
     out = tmp_path / "output"
     env = {"DATA": dtd_root, "OUTPUT": str(out), "OPTIM": "sgd sample", "SEEDS": "1", "SHOTS": "4"}
-    env["REPRO"] = "paper"  # CoOp's folders (the scripts' default is released)
+    env["REPRO"] = "paper"  # CoOp's folders (also the scripts' default)
     args = ["--quiet", "--no-data-check", "dtd", *_tiny(tiny_clip_opts)]
     proc = _script("base2new.sh", args, env)
     assert "4 runs in 2 chains: 0 done (skipped), 0 to resume or re-run, 4 to run" in proc.stdout
@@ -515,7 +517,7 @@ def test_transfer_scripts_end_to_end(tmp_path, tiny_clip_opts):
     env = {"DATA": str(data), "OUTPUT": str(out), "OPTIM": "sgd", "SEEDS": "1", "SHOTS": "2"}
     args = ["--quiet", "--no-check", *_tiny(tiny_clip_opts)]  # checks: see the tests above
     _script("cross_dataset.sh", args, dict(env, TARGETS="dtd"))
-    comp = "vit_b16_ep50_ctxv1+sgd-released_2shots"  # the scripts' default mode: released
+    comp = "vit_b16_ep50_ctxv1_2shots"  # the scripts' default mode: paper (CoOp's folder)
     train = out / "imagenet" / "CoOp" / comp / "seed1"
     dtd = out / "evaluation" / "CoOp" / comp / "dtd" / "seed1"
     result = read_run(str(train))
@@ -523,7 +525,7 @@ def test_transfer_scripts_end_to_end(tmp_path, tiny_clip_opts):
     # domain generalization evaluates the same ImageNet model: its training is skipped
     proc = _script("domain_gen.sh", args, dict(env, TARGETS="imagenet_sketch"))
     assert "2 runs in 1 chains: 1 done (skipped), 0 to resume or re-run, 1 to run" in proc.stdout
-    assert "[run 1/1] CoOp [released] domain_gen eval imagenet_sketch seed1" in proc.stdout
+    assert "[run 1/1] CoOp domain_gen eval imagenet_sketch seed1" in proc.stdout
     sketch = dtd.parent.parent / "imagenet_sketch" / "seed1"
     assert read_run(str(sketch)).status == "done"
     argv = ["--output", str(out), "--shots", "2", "--trainers", "CoOp", "--optims", "sgd"]

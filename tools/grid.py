@@ -46,9 +46,9 @@ change the experiment belong with a ``--tag``, or their runs share the default f
 ``--repro paper|released`` (both: ``--repro paper released``; default ``$REPRO``) picks the
 reproduction mode (docs/reproducing.md): ``paper`` keeps the folders above,
 ``released`` (an emulation of the SAMPLe authors' released code) runs ``train.py --repro
-released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, the
-paper's grids (``--preset paper*``) run ``released``, the mode judged more likely to reproduce
-the published tables (docs/reproducing.md); other grids run ``paper``.
+released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, every
+grid runs ``paper``, as train.py, the scripts and the demo do (one rule: ``paper`` unless
+``released`` is named; docs/reproducing.md).
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ from experiments.protocols import (  # noqa: E402
     fetch_weights,
     preflight,
     run_status,
+    shots_warnings,
 )
 
 
@@ -262,8 +263,7 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=REPRO_MODES,
         help="reproduction mode(s): paper and/or released (the SAMPLe authors' released code "
-        "emulated; folders tagged 'released'). Default: $REPRO, else released for --preset "
-        "paper* (the paper's grids) and paper for other grids",
+        "emulated; folders tagged 'released'). Default: $REPRO, else paper (as train.py)",
     )
 
 
@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = setup_from_args(args, opts)
         chains = expand_modes(grids_from_args(args), setup, repro_modes(args))
         pending = print_plan(chains, setup, args.dry_run, args.commands)
+        for line in shots_warnings(chains, setup) if pending else []:  # dry runs included
+            print(f"warning: {line}", flush=True)
         if args.dry_run or not pending:
             return 0
         if not setup.data:
