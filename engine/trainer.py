@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim.sharpness import STEP_NEEDS
 from optim.staging import total_epochs
 from optim.step import PassOutputs, StepBatch, build_step
 
@@ -74,6 +75,12 @@ _DASSL_STEP_HINT = (
     "This engine takes the optimizer step itself: state prepare_step(batch) (work without "
     "gradients) and compute_loss(inputs) (the loss) in the trainer, and the engine's "
     "forward_backward runs backward, the optimizer (sharpness-aware or not), AMP and staging"
+)
+
+
+_STEP_FIX = (
+    "State prepare_step(batch) and compute_loss(inputs) instead of a forward_backward of its own "
+    "(engine.trainer.TrainerX), or subclass dassl.engine.TrainerX (docs/porting-trainers.md)"
 )
 
 
@@ -300,6 +307,10 @@ class TrainerBase(CheckpointMixin):
     def model_inference(self, input):
         raise NotImplementedError
 
+    def step_gives(self) -> frozenset[str]:
+        """What this trainer's step gives the optimizer (none: one-pass optimizers only)."""
+        return frozenset()
+
     # -- Dassl names: routed through the engine's step, or refused with a pointer ----------
     def detect_anomaly(self, loss: torch.Tensor) -> None:
         if not torch.isfinite(loss).all():
@@ -321,6 +332,12 @@ class TrainerBase(CheckpointMixin):
         only: a sharpness-aware optimizer needs compute_loss to re-evaluate the loss)."""
         if names is not None and list(self.get_model_names(names)) != self.get_model_names():
             raise NotImplementedError(f"model_backward_and_update(names=...): {_DASSL_STEP_HINT}")
+        if self.optim_step.sharpness_active(self.epoch):
+            raise NotImplementedError(
+                f"model_backward_and_update(loss) with the sharpness-aware optimizer "
+                f"{self.cfg.OPTIM.SAM.NAME!r}: {_DASSL_STEP_HINT}; or subclass "
+                "dassl.engine.TrainerX, which replays forward_backward for its passes"
+            )
         self.detect_anomaly(loss)
         self.optim_step(loss, None, self.epoch)
 
@@ -470,6 +487,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if self.dm is None:
             raise RuntimeError("This trainer was built from class names only: it has no data")
         self.optim_step.check(self.cfg.OPTIM.SAM.NAME, self.max_epoch)
+        self.optim_step.check_caller(self.step_gives(), f"{type(self).__name__}'s step", _STEP_FIX)
         self.compile_model()
         directory = self.cfg.RESUME or self.cfg.OUTPUT_DIR
         self.start_epoch = self.resume_model_if_exist(directory)
@@ -576,6 +594,14 @@ class TrainerX(SimpleTrainer):
     _pass_outputs: PassOutputs | None = None  # what classification_loss recorded this pass
 
     # -- the step protocol ------------------------------------------------------------------
+    def step_gives(self) -> frozenset[str]:
+        """What this trainer's step gives the optimizer (:data:`optim.sharpness.STEP_NEEDS`):
+        everything with the engine's step (:meth:`forward_backward`), nothing with a
+        ``forward_backward`` or ``train_step`` of its own (one-pass optimizers only)."""
+        own = type(self).forward_backward is not TrainerX.forward_backward
+        own = own or type(self).train_step is not TrainerX.train_step
+        return frozenset() if own else frozenset(STEP_NEEDS)
+
     def parse_batch_train(self, batch):
         dev = self.device
         return batch["img"].to(dev, non_blocking=True), batch["label"].to(dev, non_blocking=True)
@@ -605,7 +631,11 @@ class TrainerX(SimpleTrainer):
         (:class:`optim.step.PassOutputs`: per-item losses, the outputs of SAF/MESA); every
         trainer computes its classification loss through it.
         """
-        ce = F.cross_entropy(logits.float(), label, label_smoothing=label_smoothing)
+        ce = F.cross_entropy(  # fp16/bf16 logits in fp32, fp64 ones in fp64
+            logits.to(torch.promote_types(logits.dtype, torch.float32)),
+            label,
+            label_smoothing=label_smoothing,
+        )
         self._pass_outputs = PassOutputs(logits, label, ce, label_smoothing)
         return ce
 

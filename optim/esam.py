@@ -51,7 +51,7 @@ import torch
 
 from .build import register_optimizer
 from .errors import OptimConfigError
-from .sharpness import EPS, SharpnessAwareOptimizer, per_group, scaled
+from .sharpness import EPS, OUTPUTS, REPASS, SharpnessAwareOptimizer, per_group, scaled
 from .step import NO_OUTPUTS, require_batch
 
 
@@ -105,6 +105,12 @@ class ESAM(SharpnessAwareOptimizer):
             m.numel() for m in masks
         )
         return scaled(masked, per_group(fp.groups, lambda gr: gr["rho"] * scale / denom))
+
+    def step_needs(self) -> frozenset[str]:
+        """With ``gamma < 1`` the selection needs the first pass's per-item losses and a pass
+        on the selected items (or the whole batch, ``masked``)."""
+        needs = super().step_needs()
+        return needs | {OUTPUTS, REPASS} if self.gamma < 1 else needs
 
     def select(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """The items of the second pass: the ``max(1, floor(gamma * B))`` largest increases

@@ -29,7 +29,7 @@ import torch
 
 from .build import register_optimizer
 from .saf import TrajectoryOptimizer
-from .sharpness import acc_dtype, copies
+from .sharpness import BEGIN_STEP, OUTPUTS, REPASS, acc_dtype, copies
 from .step import require_batch
 
 
@@ -47,6 +47,7 @@ class MESA(TrajectoryOptimizer):
     """
 
     DEFAULT_WEIGHT = 0.8
+    STEP_NEEDS = frozenset({BEGIN_STEP, OUTPUTS, REPASS})  # the EMA model's pass: a forward
 
     def __init__(
         self,

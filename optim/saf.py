@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .build import register_optimizer
-from .sharpness import SharpnessAwareOptimizer, acc_dtype, global_norm
+from .sharpness import BEGIN_STEP, INDEX, OUTPUTS, SharpnessAwareOptimizer, acc_dtype, global_norm
 from .step import require_batch
 
 
@@ -120,6 +120,7 @@ class SAF(TrajectoryOptimizer):
     """
 
     DEFAULT_WEIGHT = 0.3
+    STEP_NEEDS = frozenset({BEGIN_STEP, OUTPUTS, INDEX})
 
     def __init__(
         self,

@@ -114,6 +114,22 @@ VARIANTS = ("paper", "reference", "reference-cocoop")
 UPDATES = ("", "sum", "mean")  # OPTIM.SAM.UPDATE: "" is the variant's own rule
 SCHEDULES = ("constant", "inv_sqrt")
 
+# What an optimizer may need from the caller of its step (optim.step.OptimizerStep), declared by
+# each class in STEP_NEEDS (or step_needs()) and checked by the step object, which refuses a
+# caller that does not give it:
+BEGIN_STEP = "begin_step"  # OptimizerStep.begin_step(batch, epoch) before the first forward
+OUTPUTS = "outputs"  # the first pass's recorded logits and labels (StepBatch.first)
+INDEX = "index"  # the items' dataset indices (StepBatch.index)
+REPASS = "repass"  # more forwards on the batch or a part of it (StepBatch.forward)
+LOSS_FN = "loss_fn"  # the loss recomputed at the current parameters (a second pass)
+STEP_NEEDS = {
+    BEGIN_STEP: "OptimizerStep.begin_step(batch, epoch) before the step's first forward",
+    OUTPUTS: "the first pass's logits (the trainer's self.classification_loss(logits, label))",
+    INDEX: "the items' dataset indices (an 'index' entry in every training batch)",
+    REPASS: "forwards on the batch or a part of it at the current weights (StepBatch.forward)",
+    LOSS_FN: "a function recomputing the loss at the current weights (its second pass)",
+}
+
 
 def acc_dtype(t: Tensor) -> torch.dtype:
     """The dtype of the optimizer arithmetic on ``t``: its dtype promoted to at least fp32."""
@@ -258,6 +274,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
 
     VARIANTS: tuple[str, ...] = ("paper", "reference")
     UPDATE: dict[str, str] = {"paper": "perturbed", "reference": "perturbed"}
+    # what the step's caller must give (keys of STEP_NEEDS): every step is opened with
+    # begin_step; a two-pass optimizer adds LOSS_FN (register_optimizer's needs_closure)
+    STEP_NEEDS: frozenset[str] = frozenset({BEGIN_STEP})
 
     def __init__(
         self,
@@ -354,6 +373,12 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # ------------------------------------------------------------- hooks of the step object
+    def step_needs(self) -> frozenset[str]:
+        """What this optimizer needs from the step's caller (keys of :data:`STEP_NEEDS`); the
+        step object (:class:`optim.step.OptimizerStep`) checks them, adding ``LOSS_FN`` for a
+        class registered with ``needs_closure``. Default: the class's ``STEP_NEEDS``."""
+        return frozenset(self.STEP_NEEDS)
+
     def second_pass_due(self) -> bool:
         """Whether this step takes the second pass (always, unless ``every > 1``: then on
         steps ``t`` with ``t mod every == 0``, and whenever no ``g_v`` is stored yet)."""

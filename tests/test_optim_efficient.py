@@ -22,6 +22,7 @@ from torch import nn
 from engine.config import get_base_cfg_default
 from optim import SAMPLe, build_optimizer, list_optimizers
 from optim.build import OPTIMIZER_REGISTRY
+from optim.errors import StepContractError
 from optim.step import OptimizerStep, PassOutputs, StepBatch
 
 F64 = torch.float64
@@ -364,8 +365,9 @@ def test_trajectory_optimizers_need_the_trainers_logits():
     opt = OPTIMIZER_REGISTRY.get("saf").cls(prob.params, lr=LR)
     step = OptimizerStep([opt])
     batch = StepBatch(lambda subset=None: (prob.forward(subset)[0], None), prob.items)
+    step.begin_step(batch, 0)
     loss = prob.forward()[0]
-    with pytest.raises(ValueError, match="classification_loss"):
+    with pytest.raises(StepContractError, match="classification_loss"):
         step(loss, None, 0, batch=batch)
 
 
