@@ -144,3 +144,53 @@ def test_a_step_of_its_own_is_refused_before_training(doors, batches):
         ):
             tr.optim_step.check_caller(tr.step_gives(), "OwnStep's step", "state prepare_step")
     train(OwnStep, optimizer_opts("adam"), batches)
+
+
+# the plugin door runs the optimizers that need more than the loss (begin_step and a forward of
+# their own: MESA; logits and dataset indices: SAF; per-item passes on a part of a loader batch:
+# ESAM); the in-process test above runs every registered one through the same classes
+PLUGIN_OPTIMIZERS = ("mesa", "saf", "esam")
+
+
+def test_optimizers_through_the_plugin_file_in_a_packed_worker(tmp_path, dtd_root):
+    """train.py runs of the plugin file's trainers in one packed worker (tools/worker.py, as
+    ``tools/grid.py --in-process`` runs them) on a generated dataset: the Dassl file's
+    parameters after 3 epochs equal the engine trainer's."""
+    from engine.clip.toy import TINY_OPTS
+    from tools.worker import Worker
+
+    dtd = osp.join(ROOT, "configs/datasets/dtd.yaml")
+    worker = Worker()
+    outs = {}
+    try:
+        for name in ("sgd", *PLUGIN_OPTIMIZERS):
+            for door in ("DoorsEngine", "DoorsDassl"):
+                out = str(tmp_path / f"{name}-{door}")
+                argv = [
+                    "--root", dtd_root, "--seed", "1", "--trainer", door,
+                    "--dataset-config-file", dtd, "--output-dir", out, "--plugin", DOORS_FILE,
+                    *TINY_OPTS, *COMMON, *optimizer_opts(name), "OPTIM.MAX_EPOCH", str(EPOCHS),
+                    "DATASET.NUM_SHOTS", "2", "TEST.NO_TEST", "True",
+                ]  # fmt: skip
+                if name == "sgd" and door == "DoorsDassl":
+                    continue
+                assert worker.run(argv, console=str(tmp_path / "console.txt")) == 0, (
+                    open(tmp_path / "console.txt").read()[-3000:]
+                )
+                outs[name, door] = out
+    finally:
+        worker.close()
+
+    def params(out):
+        path = osp.join(out, "model", f"model.pth.tar-{EPOCHS}")
+        return torch.load(path, weights_only=True)["state_dict"]
+
+    sgd = params(outs["sgd", "DoorsEngine"])
+    for name in PLUGIN_OPTIMIZERS:
+        engine = params(outs[name, "DoorsEngine"])
+        assert engine["fc.weight"].dtype == torch.float64
+        assert not torch.allclose(engine["fc.weight"], sgd["fc.weight"]), name  # not plain SGD
+        for key, value in params(outs[name, "DoorsDassl"]).items():
+            torch.testing.assert_close(value, engine[key], rtol=1e-12, atol=1e-13, msg=name)
+    log = open(osp.join(outs["saf", "DoorsDassl"], "log.txt")).read()
+    assert "Optimizer: saf(sgd)" in log and "traj_loss" in log

@@ -37,11 +37,11 @@ weights with this trainer's ``MODEL.BACKBONE`` (engine.clip.active_backbone).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from engine.clip import active_backbone
 from engine.errors import ConfigError
@@ -112,28 +112,36 @@ def _recorded_ce(args, kwargs, out) -> PassOutputs | None:
     return PassOutputs(logits, label, out, float(smoothing))
 
 
-class _Recorder(TorchFunctionMode):
+@contextmanager
+def _recording(step: _Step):
     """While a Dassl file's ``forward_backward`` takes a sharpness-aware step: records the
-    pass's cross-entropy (logits and labels: ESAM's per-item losses, SAF/MESA's outputs) and
-    takes over the file's own ``loss.backward()`` (CoCoOp's step): the optimizer step
-    backpropagates the loss itself, and in a replayed pass the call ends the pass."""
+    pass's ``F.cross_entropy`` (logits and labels: ESAM's per-item losses, SAF/MESA's outputs)
+    and takes over the file's own ``loss.backward()`` (CoCoOp's step): the optimizer step
+    backpropagates that loss itself, and in a replayed pass the call ends the pass. Only while
+    ``step.in_file`` (the engine's own calls pass through). The two functions are swapped in
+    for the step, not wrapped in a torch function mode, which would change the kernels of
+    attention (its fast path is off under any mode) and so the results."""
+    cross_entropy, backward = F.cross_entropy, torch.Tensor.backward
 
-    def __init__(self, step: _Step):
-        super().__init__()
-        self.step = step
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        step = self.step
-        if step.in_file and func is torch.Tensor.backward and args and args[0].dim() == 0:
-            if step.replaying:
-                raise _SecondPass(args[0])
-            step.loss = args[0]  # backpropagated by the optimizer step (file's optim.step())
-            return None
-        out = func(*args, **kwargs)
-        if step.in_file and func is F.cross_entropy and step.outputs is None:
+    def recorded_cross_entropy(*args, **kwargs):
+        out = cross_entropy(*args, **kwargs)
+        if step.in_file and step.outputs is None:
             step.outputs = _recorded_ce(args, kwargs, out)
         return out
+
+    def taken_backward(self, *args, **kwargs):
+        if not (step.in_file and self.dim() == 0):
+            return backward(self, *args, **kwargs)
+        if step.replaying:
+            raise _SecondPass(self)
+        step.loss = self  # backpropagated by the optimizer step (the file's optim.step())
+        return None
+
+    F.cross_entropy, torch.Tensor.backward = recorded_cross_entropy, taken_backward
+    try:
+        yield
+    finally:
+        F.cross_entropy, torch.Tensor.backward = cross_entropy, backward
 
 
 def _batch_part(batch, subset: torch.Tensor):
@@ -245,7 +253,7 @@ class TrainerX(_EngineTrainerX):
                 if index is not None:
                     index = torch.as_tensor(index).to(self.device)
                 step.view = StepBatch(partial(self._file_pass, step), index)
-                with _Recorder(step):
+                with _recording(step):
                     self.optim_step.begin_step(step.view, self.epoch)
                     step.in_file = True
                     summary = self.forward_backward(batch)
