@@ -49,10 +49,42 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import HParam, declare_hparam, register_optimizer
 from .errors import OptimConfigError
 from .sharpness import EPS, OUTPUTS, REPASS, SharpnessAwareOptimizer, per_group, scaled
 from .step import NO_OUTPUTS, require_batch
+
+BETA = declare_hparam(
+    HParam(
+        "BETA",
+        "beta",
+        0.6,
+        "esam: fraction of the weights perturbed (SWP), in (0, 1]",
+        lambda v: 0 < v <= 1,
+        "a number in (0, 1]",
+    )
+)
+GAMMA = declare_hparam(
+    HParam(
+        "GAMMA",
+        "gamma",
+        0.5,
+        "esam: fraction of the batch in the second pass (SDS), in (0, 1]",
+        lambda v: 0 < v <= 1,
+        "a number in (0, 1]",
+    )
+)
+SELECT_PASS = declare_hparam(
+    HParam(
+        "SELECT_PASS",
+        "select_pass",
+        "subset",
+        "esam: the selected pass: subset (a forward without gradients on the batch, then "
+        "forward + backward on the selected items) | masked (one forward with gradients on the "
+        "batch, backward of the selected items' loss)",
+        choices=("subset", "masked"),
+    )
+)
 
 
 class ESAM(SharpnessAwareOptimizer):

@@ -27,10 +27,21 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import HParam, declare_hparam, register_optimizer
 from .saf import TrajectoryOptimizer
 from .sharpness import BEGIN_STEP, OUTPUTS, REPASS, acc_dtype, copies
 from .step import require_batch
+
+EMA_DECAY = declare_hparam(
+    HParam(
+        "EMA_DECAY",
+        "ema_decay",
+        0.9998,
+        "mesa: decay of the EMA of the learnable weights, per step",
+        lambda v: 0 <= v < 1,
+        "a number in [0, 1)",
+    )
+)
 
 
 class MESA(TrajectoryOptimizer):

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .build import register_optimizer
+from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
 from .sharpness import SharpnessAwareOptimizer, acc_dtype, copies, global_norm
 
 
@@ -51,6 +51,28 @@ def filter_noise(p: Tensor, noise: float, gen: torch.Generator) -> Tensor:
 def _check_noise(noise: float) -> None:
     if not noise >= 0:
         raise ValueError(f"Invalid noise: {noise} (the relative noise std must be >= 0)")
+
+
+NOISE = declare_hparam(
+    HParam(
+        "NOISE",
+        "noise",
+        0.01,
+        "rwp/mrwp: Gaussian noise std per filter, relative to its L2 norm",
+        nonneg,
+        NONNEG,
+    )
+)
+MIX = declare_hparam(
+    HParam(
+        "MIX",
+        "mix",
+        0.5,
+        "mrwp: update = MIX * g(w + noise) + (1 - MIX) * g(w)",
+        lambda v: 0 <= v <= 1,
+        "a number in [0, 1]",
+    )
+)
 
 
 class RWP(SharpnessAwareOptimizer):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .build import register_optimizer
+from .build import POS, HParam, declare_hparam, positive, register_optimizer
 from .sharpness import BEGIN_STEP, INDEX, OUTPUTS, SharpnessAwareOptimizer, acc_dtype, global_norm
 from .step import require_batch
 
@@ -40,6 +40,46 @@ def trajectory_kl(logits: Tensor, target_logits: Tensor, tau: float) -> Tensor:
     log_q = F.log_softmax(logits.to(dtype) / tau, dim=-1)
     log_p = F.log_softmax(target_logits.to(dtype) / tau, dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1) * (tau * tau)
+
+
+TRAJ_WEIGHT = declare_hparam(
+    HParam(
+        "TRAJ_WEIGHT",
+        "weight",
+        -1.0,
+        "saf/mesa: weight lambda of the KL term; < 0: saf 0.3, mesa 0.8",
+    )
+)
+TEMPERATURE = declare_hparam(
+    HParam(
+        "TEMPERATURE",
+        "temperature",
+        5.0,
+        "saf/mesa: softmax temperature tau of the KL term",
+        positive,
+        POS,
+    )
+)
+TRAJ_START = declare_hparam(
+    HParam(
+        "TRAJ_START",
+        "start_epoch",
+        0,
+        "saf/mesa: first epoch (0-based) with the KL term",
+        lambda v: v >= 0,
+        "an integer >= 0",
+    )
+)
+EPOCHS_BACK = declare_hparam(
+    HParam(
+        "EPOCHS_BACK",
+        "epochs_back",
+        2,
+        "saf: the KL target is the output recorded E epochs earlier",
+        lambda v: v >= 1,
+        "an integer >= 1",
+    )
+)
 
 
 class TrajectoryOptimizer(SharpnessAwareOptimizer):

@@ -105,6 +105,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .build import NONNEG, HParam, declare_hparam, nonneg
+
 logger = logging.getLogger(__name__)
 
 EPS = 1e-12  # the epsilon of SAM-style normalisations (davda54/sam, F-SAM, SAGM)
@@ -113,6 +115,39 @@ TINY = torch.finfo(torch.float32).tiny  # a guard that only acts on an exact zer
 VARIANTS = ("paper", "reference", "reference-cocoop")
 UPDATES = ("", "sum", "mean")  # OPTIM.SAM.UPDATE: "" is the variant's own rule
 SCHEDULES = ("constant", "inv_sqrt")
+
+# The OPTIM.SAM hyper-parameters shared by the family (optim.build.HParam: config key, default,
+# help, range; engine/config.py and engine/validate.py read them from here)
+RHO = declare_hparam(HParam("RHO", "rho", 0.05, "perturbation radius rho", nonneg, NONNEG))
+VARIANT = declare_hparam(
+    HParam(
+        "VARIANT",
+        "variant",
+        "paper",
+        "paper (the equations as written) | reference (the released code) | reference-cocoop "
+        "(sample only: the SAMPLe authors' CoCoOp copy, SAGM-like without the moving average)",
+        choices=VARIANTS,
+    )
+)
+UPDATE = declare_hparam(
+    HParam(
+        "UPDATE",
+        "update",
+        "",
+        "update gradient of sagm/sample: '' (the variant's own: paper g + g_p, reference mean) "
+        "| sum (g + g_p) | mean (0.5 g + 0.5 g_p; with SGD half the step of sum)",
+        choices=UPDATES,
+    )
+)
+SCHEDULE = declare_hparam(
+    HParam(
+        "SCHEDULE",
+        "schedule",
+        "constant",
+        "rho/alpha schedule: constant | inv_sqrt (the paper's theorem: divided by sqrt(t))",
+        choices=SCHEDULES,
+    )
+)
 
 # What an optimizer may need from the caller of its step (optim.step.OptimizerStep), declared by
 # each class in STEP_NEEDS (or step_needs()) and checked by the step object, which refuses a

@@ -174,9 +174,9 @@ def test_optimizers_through_the_plugin_file_in_a_packed_worker(tmp_path, dtd_roo
                 ]  # fmt: skip
                 if name == "sgd" and door == "DoorsDassl":
                     continue
-                assert worker.run(argv, console=str(tmp_path / "console.txt")) == 0, (
-                    open(tmp_path / "console.txt").read()[-3000:]
-                )
+                assert worker.run(argv, console=str(tmp_path / "console.txt")) == 0, open(
+                    tmp_path / "console.txt"
+                ).read()[-3000:]
                 outs[name, door] = out
     finally:
         worker.close()
