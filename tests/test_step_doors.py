@@ -28,8 +28,8 @@ EPOCHS = 3
 # every registered optimizer, with values that make its special parts act within 3 epochs
 _SPECIAL = {
     "looksam": ["OPTIM.SAM.EVERY", "2"],
-    "saf": ["OPTIM.SAM.EPOCHS_BACK", "1", "OPTIM.SAM.TRAJ_START", "1"],
-    "mesa": ["OPTIM.SAM.EMA_DECAY", "0.5", "OPTIM.SAM.TRAJ_START", "1"],
+    "saf": ["OPTIM.SAM.EPOCHS_BACK", "1", "OPTIM.SAM.TRAJ_START", "0"],
+    "mesa": ["OPTIM.SAM.EMA_DECAY", "0.5", "OPTIM.SAM.TRAJ_START", "0"],
     "esam": ["OPTIM.SAM.GAMMA", "0.5"],
 }
 
