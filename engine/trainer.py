@@ -101,6 +101,10 @@ class TrainerBase(DasslStepNames, CheckpointMixin):
     """Registered models/optimizers/schedulers, checkpoints, scalar writers and the epoch loop."""
 
     CONFIG_NODE: str | None = None  # TRAINER.<node> of this trainer; default: registry name
+    # The grid's default configs (configs/trainers/<name>/<cfg>.yaml), read by tools/protocols.py:
+    # "base2new", "base2new/<dataset>" (a dataset's own), "transfer" (default: base2new's
+    # ImageNet config). Not inherited: a subclass registered under its own name states its own
+    PROTOCOL_CFGS: dict[str, str] = {}
     EVAL_ONLY = False  # True: nothing to train (zero-shot CLIP); grids and tests skip training
 
     @classmethod

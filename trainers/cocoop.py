@@ -171,6 +171,11 @@ class CoCoOpCLIP(FrozenImageCLIP):
 class CoCoOp(TrainerX):
     """Conditional Context Optimization (CoCoOp)."""
 
+    # the grid's default configs (configs/trainers/CoCoOp/<cfg>.yaml; tools/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_c4_ep10_batch1_ctxv1",
+    }
+
     add_config = staticmethod(add_cocoop_config)
 
     @classmethod
