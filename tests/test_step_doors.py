@@ -156,7 +156,7 @@ def test_optimizers_through_the_plugin_file_in_a_packed_worker(tmp_path, dtd_roo
     ``tools/grid.py --in-process`` runs them) on a generated dataset: the Dassl file's
     parameters after 3 epochs equal the engine trainer's."""
     from engine.clip.toy import TINY_OPTS
-    from tools.worker import Worker
+    from experiments.worker import Worker
 
     dtd = osp.join(ROOT, "configs/datasets/dtd.yaml")
     worker = Worker()
