@@ -57,6 +57,8 @@ import time
 import torch
 from torch import nn
 
+from . import phases
+
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -239,6 +241,7 @@ class CompiledForward:
         if not first:
             return out
         self.first_calls[sig] = seconds
+        phases.carve("compilation", seconds)  # the start-up phases of the run (engine.phases)
         logger.info(
             "torch.compile (%s) %s: first call %.2f s (%d new graph(s) in this process), "
             "output equal to eager",
