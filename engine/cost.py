@@ -20,7 +20,8 @@ what each point of accuracy costs::
   to the end of its first training step and its phases (:mod:`engine.phases`);
 - ``wall_s`` (in each segment, and the last one's at the top): the process's time from its start
   (a packed worker's run: from the run's start) to the end of the run's final test; with
-  ``startup`` and ``train_time_s`` it gives a run's fixed cost (``tools/grid_estimate.py``).
+  ``startup`` and ``train_time_s`` it gives a run's fixed cost (``tools/grid_estimate.py``);
+- ``host`` (in each segment, and the last one's at the top): the machine that ran it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os.path as osp
 import resource
+import socket
 import sys
 import time
 
@@ -113,6 +115,7 @@ class RunCost:
             "peak_cuda_mb": cuda,
             "startup": self.startup,
             "wall_s": self.wall_s,
+            "host": socket.gethostname(),
         }
 
     def summary(self) -> dict:
@@ -130,6 +133,7 @@ class RunCost:
             "peak_cuda_mb": max(cuda) if cuda else None,
             "startup": segments[-1].get("startup"),
             "wall_s": segments[-1].get("wall_s"),
+            "host": segments[-1].get("host"),
             "segments": segments,
         }
 

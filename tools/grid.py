@@ -60,12 +60,14 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from queue import Empty, Queue
 
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
+from tools.grid_estimate import report_actual, report_plan  # noqa: E402
 from tools.grid_exec import GridError, Progress, execute_chain  # noqa: E402
 from tools.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
@@ -600,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         setup = setup_from_args(args, opts)
         chains = expand_modes(grids_from_args(args), setup, repro_modes(args))
         pending = print_plan(chains, setup, args.dry_run, args.commands)
+        plan = report_plan(chains, setup, args) if pending else None  # tools/grid_estimate.py
         if args.dry_run or not pending:
             return 0
         if not setup.data:
@@ -620,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
             check_gpu_memory(gpus, args.per_gpu, args.worker_mem_gb)
         slots = len(gpus) * args.per_gpu if gpus else args.workers
         stream = not args.quiet and slots == 1
+        started = time.perf_counter()
         failed = run_local(todo, setup, gpus, stream, args.per_gpu, args.in_process, args.workers)
+        report_actual(plan, todo, time.perf_counter() - started)  # the estimate against the actual
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
