@@ -57,7 +57,7 @@ import time
 import torch
 from torch import nn
 
-from . import phases
+from . import compile_cache, phases
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class CompiledForward:
         self.eager_forward = forward
         self.mode = mode
         kwargs = {"backend": mode} if mode in BACKENDS else {"mode": mode}
+        compile_cache.use_persistent_cache()  # one folder, shareable (engine/compile_cache.py)
         self.compiled = torch.compile(forward, dynamic=False, **kwargs)
         self.first_calls: dict[tuple, float] = {}
         self.checks_left: dict[tuple, int] = {}
@@ -242,6 +243,7 @@ class CompiledForward:
             return out
         self.first_calls[sig] = seconds
         phases.carve("compilation", seconds)  # the start-up phases of the run (engine.phases)
+        compile_cache.note_compile(seconds)  # MODEL.COMPILE auto's record
         logger.info(
             "torch.compile (%s) %s: first call %.2f s (%d new graph(s) in this process), "
             "output equal to eager",

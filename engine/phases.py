@@ -146,6 +146,9 @@ def begin_run() -> StartupClock:
     """Start the clock of a run (:func:`engine.cli.run`): the first run of a process counts its
     imports from :func:`mark_process_start`; a later run (packed worker) starts now."""
     global _clock, _process_start
+    from . import compile_cache
+
+    compile_cache._current_key = None  # nothing recorded for an earlier run that did not end
     if _process_start is not None:
         _clock = StartupClock(_process_start)
         _process_start = None
@@ -205,6 +208,10 @@ def run_ended(cost=None) -> float | None:
     """Called when a training run ends (after its final test): records in ``cost`` the run's
     wall time from the clock's start (the process start for a process's first run) and writes
     ``cost.json``; returns that time."""
+    if cost is not None:  # MODEL.COMPILE auto's record of the step time (engine.compile_cache)
+        from .compile_cache import run_ended as record_step
+
+        record_step(cost.summary().get("mean_step_s"))
     if _clock is None:
         return None
     wall = time.perf_counter() - _clock.start

@@ -49,6 +49,7 @@ from . import phases
 from .checkpoint import CheckpointMixin
 from .clip.text import shared_prefix_text
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
+from .compile_cache import auto_compiles
 from .cost import RunCost
 from .data import DataManager
 from .errors import ConfigError
@@ -384,6 +385,9 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         the compiled modules."""
         model = getattr(self, "model", None)
         if self.compile_mode and self.compiled_modules is None and isinstance(model, nn.Module):
+            if self.cfg.MODEL.COMPILE == AUTO and not auto_compiles(self):  # engine.compile_cache
+                self.compiled_modules = []
+                return []
             self.compiled_modules = compile_encoders(model, self.compile_mode)
         return self.compiled_modules or []
 
