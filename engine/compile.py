@@ -13,7 +13,9 @@ Values:
   device, off otherwise: on CPU, in evaluation-only runs and in the evaluations of a training
   run, where the encoders run too few times (a test set is a few to a few hundred batches) to
   repay compiling their no-grad graphs. Compilation starts with the first training step
-  (:meth:`compile_model` of the trainer), not when the trainer is built.
+  (:meth:`compile_model` of the trainer), not when the trainer is built, and only when it pays:
+  the run's steps win back the compile time, or the persistent cache holds the graphs
+  (:mod:`engine.compile_cache`, which also puts inductor's caches in one shareable folder).
 - ``""`` / ``off``: eager.
 - a ``torch.compile`` mode (``default``, ``reduce-overhead``, ``max-autotune``,
   ``max-autotune-no-cudagraphs``) or a backend for debugging (``eager``, ``aot_eager``):
