@@ -20,7 +20,7 @@ what each point of accuracy costs::
   to the end of its first training step and its phases (:mod:`engine.phases`);
 - ``wall_s`` (in each segment, and the last one's at the top): the process's time from its start
   (a packed worker's run: from the run's start) to the end of the run's final test; with
-  ``startup`` and ``train_time_s`` it gives a run's fixed cost (``tools/grid_estimate.py``);
+  ``startup`` and ``train_time_s`` it gives a run's fixed cost (``experiments/grid_estimate.py``);
 - ``host`` (in each segment, and the last one's at the top): the machine that ran it.
 """
 

@@ -23,8 +23,8 @@ from dataset_trees import BUILDERS, Expected, write_text
 
 from datasets.common import Download
 from engine.data import build_dataset
+from experiments.layouts import find_layout
 from tools import download_data
-from tools.check_data import find_layout
 
 CONFIGS = {
     "ImageNet": "imagenet",

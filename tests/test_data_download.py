@@ -29,8 +29,9 @@ from dataset_trees import BUILDERS
 from test_weights_download import _waiting_on_lock, server  # noqa: F401  (the loopback server)
 
 from datasets import PAPER_DATASETS
-from tools import check_data, download_data, verify_data
-from tools.check_data import find_layout
+from experiments import verify_data
+from experiments.layouts import find_layout
+from tools import check_data, download_data
 
 DTD_ARCHIVE = "dtd/dtd-r1.0.1.tar.gz"
 

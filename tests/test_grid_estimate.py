@@ -1,4 +1,4 @@
-"""The cost of a grid's plan before it runs (tools/grid_estimate.py): steps from the runs'
+"""The cost of a grid's plan before it runs (experiments/grid_estimate.py): steps from the runs'
 configs and dataset sizes, step and fixed costs from earlier runs' cost.json (this host's
 first) or the documented defaults, and the estimate against the actual at the end."""
 
@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from experiments import grid_estimate as ge
+from experiments.protocols import Setup
 from tools import grid
-from tools import grid_estimate as ge
-from tools.protocols import Setup
 
 HOST = socket.gethostname()
 

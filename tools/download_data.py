@@ -11,7 +11,8 @@ This is the only part of the project that uses the internet (nothing downloads a
 tests serve everything from a loopback server through the mirror variable).
 
 * Every file is checked: against the published checksum recorded in
-  ``tools/data_checksums.py`` (torchvision's MD5s of the same archives) or, for files without a
+  ``experiments/data_checksums.py`` (torchvision's MD5s of the same archives) or, for files
+  without a
   published one (CoOp's Google Drive files, some hosts), against the SHA256 pinned on its first
   download in ``DATA/sample-pl-data.lock.json`` (:data:`LOCK_FILE`): a file whose content
   changed since is refused. A file with a wrong checksum is deleted and nothing is unpacked;
@@ -64,8 +65,8 @@ if __package__ in (None, ""):  # run as a script
 from datasets import PAPER_DATASETS  # noqa: E402
 from datasets.common import Download, Layout  # noqa: E402
 from engine.clip import weights  # noqa: E402  (the checked, resumable download of the weights)
+from experiments.data_checksums import PUBLISHED  # noqa: E402
 from tools.check_data import READY, check_dataset, find_layout  # noqa: E402
-from tools.data_checksums import PUBLISHED  # noqa: E402
 
 MIRROR_ENV = "SAMPLE_PL_DATA_MIRROR"  # a base URL replacing every source's host
 LOCK_FILE = "sample-pl-data.lock.json"  # in the root: SHA256 pinned on first download
@@ -777,7 +778,8 @@ def main(argv: list[str] | None = None, checksums: Checksums | None = None) -> i
     parser.add_argument(
         "--checksums",
         metavar="FILE.json",
-        help="a checksum table replacing the recorded one (tools/data_checksums.py), e.g. for a "
+        help="a checksum table replacing the recorded one (experiments/data_checksums.py), e.g. "
+        "for a "
         'mirror with repacked archives: {"<folder>/<file>": ["md5" or "sha256", "<digest>"]}',
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

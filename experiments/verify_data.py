@@ -129,7 +129,7 @@ def verify_dataset(root: str, name: str, reference: Reference | None = None):
     Raises:
         KeyError: ``name`` is not a registered dataset.
     """
-    from tools.check_data import find_layout
+    from experiments.layouts import find_layout
 
     layout = find_layout(name)
     if layout is None:

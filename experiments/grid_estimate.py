@@ -218,7 +218,7 @@ def estimate_plan(chains, setup, device: str, slots: int, records: list[dict] | 
     import trainers  # noqa: F401  (registers the trainers)
     from engine.cli import build_parser, setup_cfg
     from engine.cost import read_cost
-    from tools.protocols import run_status
+    from experiments.protocols import run_status
 
     records = cost_records(setup.output) if records is None else records
     model = CostModel(records, device)
@@ -256,18 +256,17 @@ def estimate_plan(chains, setup, device: str, slots: int, records: list[dict] | 
     return plan
 
 
-def plan_slots(args) -> int:
-    """Workers the grid will run at once (SLURM: ``--slurm-parallel``)."""
+def plan_slots(args, detect_gpus=None) -> int:
+    """Workers the grid will run at once (SLURM: ``--slurm-parallel``); ``--gpus auto`` counts
+    the GPUs that ``detect_gpus("auto")`` finds (tools/grid.py's; none given: one)."""
     if getattr(args, "slurm", False):
         return max(getattr(args, "slurm_parallel", 1), 1)
     gpus = getattr(args, "gpus", None)
     if gpus and gpus != "auto":
         return len([g for g in gpus.split(",") if g.strip()]) * max(args.per_gpu, 1)
     if gpus == "auto":
-        from tools.grid import detect_gpus
-
         try:
-            found = detect_gpus("auto") or []
+            found = (detect_gpus("auto") if detect_gpus else None) or []
         except Exception:  # noqa: BLE001  (no nvidia-smi: counted as one worker)
             found = []
         return max(len(found), 1) * max(args.per_gpu, 1)
@@ -283,9 +282,9 @@ def plan_device(args) -> str:
     return "cpu"
 
 
-def report_plan(chains, setup, args) -> PlanEstimate | None:
+def report_plan(chains, setup, args, detect_gpus=None) -> PlanEstimate | None:
     """Print the estimate of the plan (before the grid runs); None when nothing is to run."""
-    plan = estimate_plan(chains, setup, plan_device(args), plan_slots(args))
+    plan = estimate_plan(chains, setup, plan_device(args), plan_slots(args, detect_gpus))
     if plan.runs:
         print(plan.describe(), flush=True)
         return plan
