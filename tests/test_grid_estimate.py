@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from experiments import grid_estimate as ge
+from experiments.grid_plan import expand, select
 from experiments.protocols import Setup
 from tools import grid
 
@@ -49,9 +50,8 @@ def write_cost(folder, **cost) -> None:
 
 
 def coop_chains(setup, optims=("sgd", "sample")):
-    return grid.expand(
-        grid.select(None, trainers=["CoOp"], optims=list(optims), datasets=["dtd"], seeds=[1]),
-        setup,
+    return expand(
+        select(None, trainers=["CoOp"], optims=list(optims), datasets=["dtd"], seeds=[1]), setup
     )
 
 
