@@ -59,8 +59,6 @@ import time
 import torch
 from torch import nn
 
-from . import compile_cache, phases
-
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -195,7 +193,9 @@ class CompiledForward:
         self.eager_forward = forward
         self.mode = mode
         kwargs = {"backend": mode} if mode in BACKENDS else {"mode": mode}
-        compile_cache.use_persistent_cache()  # one folder, shareable (engine/compile_cache.py)
+        from .compile_cache import use_persistent_cache  # lazily: this module imports alone
+
+        use_persistent_cache()  # one folder, shareable (engine/compile_cache.py)
         self.compiled = torch.compile(forward, dynamic=False, **kwargs)
         self.first_calls: dict[tuple, float] = {}
         self.checks_left: dict[tuple, int] = {}
@@ -244,6 +244,8 @@ class CompiledForward:
         if not first:
             return out
         self.first_calls[sig] = seconds
+        from . import compile_cache, phases
+
         phases.carve("compilation", seconds)  # the start-up phases of the run (engine.phases)
         compile_cache.note_compile(seconds)  # MODEL.COMPILE auto's record
         logger.info(
