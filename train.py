@@ -28,9 +28,11 @@ import sys
 import datasets  # noqa: F401  (registers the dataset readers)
 import trainers  # noqa: F401  (registers the trainers)
 from engine.cli import build_parser, main, reset_cfg, run, setup_cfg
+from engine.phases import mark_process_start
 from engine.runner import finish_process
 
 __all__ = ["build_parser", "main", "reset_cfg", "run", "setup_cfg"]
 
 if __name__ == "__main__":
+    mark_process_start()  # the start-up phases (log.txt, cost.json) count from the process start
     sys.exit(finish_process(run()))  # finish_process: exit without the final GC walk

@@ -332,6 +332,9 @@ def run(argv=None) -> int:
     exit 3, anything unexpected keeps its traceback."""
     from optim.errors import UserError
 
+    from . import phases
+
+    phases.begin_run()  # the start-up phases of this run (engine/phases.py)
     args = build_parser().parse_args(argv)
     try:
         return main(args)

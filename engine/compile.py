@@ -13,7 +13,9 @@ Values:
   device, off otherwise: on CPU, in evaluation-only runs and in the evaluations of a training
   run, where the encoders run too few times (a test set is a few to a few hundred batches) to
   repay compiling their no-grad graphs. Compilation starts with the first training step
-  (:meth:`compile_model` of the trainer), not when the trainer is built.
+  (:meth:`compile_model` of the trainer), not when the trainer is built, and only when it pays:
+  the run's steps win back the compile time, or the persistent cache holds the graphs
+  (:mod:`engine.compile_cache`, which also puts inductor's caches in one shareable folder).
 - ``""`` / ``off``: eager.
 - a ``torch.compile`` mode (``default``, ``reduce-overhead``, ``max-autotune``,
   ``max-autotune-no-cudagraphs``) or a backend for debugging (``eager``, ``aot_eager``):
@@ -191,6 +193,9 @@ class CompiledForward:
         self.eager_forward = forward
         self.mode = mode
         kwargs = {"backend": mode} if mode in BACKENDS else {"mode": mode}
+        from .compile_cache import use_persistent_cache  # lazily: this module imports alone
+
+        use_persistent_cache()  # one folder, shareable (engine/compile_cache.py)
         self.compiled = torch.compile(forward, dynamic=False, **kwargs)
         self.first_calls: dict[tuple, float] = {}
         self.checks_left: dict[tuple, int] = {}
@@ -239,6 +244,10 @@ class CompiledForward:
         if not first:
             return out
         self.first_calls[sig] = seconds
+        from . import compile_cache, phases
+
+        phases.carve("compilation", seconds)  # the start-up phases of the run (engine.phases)
+        compile_cache.note_compile(seconds)  # MODEL.COMPILE auto's record
         logger.info(
             "torch.compile (%s) %s: first call %.2f s (%d new graph(s) in this process), "
             "output equal to eager",

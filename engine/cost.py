@@ -15,7 +15,13 @@ what each point of accuracy costs::
 - ``peak_cpu_rss_mb``: the process's maximum resident set size (``getrusage``), the largest
   over the segments; ``peak_cuda_mb``: ``torch.cuda.max_memory_allocated`` (None on CPU);
 - ``segments``: one entry per process that trained (a resumed run adds one: first and last
-  epoch, steps, time, peaks), so the totals are those of the whole run.
+  epoch, steps, time, peaks), so the totals are those of the whole run;
+- ``startup`` (in each segment, and the last one's at the top): the time from the process's start
+  to the end of its first training step and its phases (:mod:`engine.phases`);
+- ``wall_s`` (in each segment, and the last one's at the top): the process's time from its start
+  (a packed worker's run: from the run's start) to the end of the run's final test; with
+  ``startup`` and ``train_time_s`` it gives a run's fixed cost (``experiments/grid_estimate.py``);
+- ``host`` (in each segment, and the last one's at the top): the machine that ran it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import os.path as osp
 import resource
+import socket
 import sys
 import time
 
@@ -69,6 +76,8 @@ class RunCost:
         self.seconds = 0.0
         self.first_epoch: int | None = None
         self.last_epoch: int | None = None
+        self.startup: dict | None = None  # engine.phases.first_step_done
+        self.wall_s: float | None = None  # engine.phases.run_ended
         self._t0: float | None = None
 
     def _sync(self) -> None:
@@ -104,6 +113,9 @@ class RunCost:
             "train_time_s": self.seconds,
             "peak_cpu_rss_mb": peak_rss_mb(),
             "peak_cuda_mb": cuda,
+            "startup": self.startup,
+            "wall_s": self.wall_s,
+            "host": socket.gethostname(),
         }
 
     def summary(self) -> dict:
@@ -119,6 +131,9 @@ class RunCost:
             "mean_step_s": seconds / steps if steps else None,
             "peak_cpu_rss_mb": max(s["peak_cpu_rss_mb"] for s in segments),
             "peak_cuda_mb": max(cuda) if cuda else None,
+            "startup": segments[-1].get("startup"),
+            "wall_s": segments[-1].get("wall_s"),
+            "host": segments[-1].get("host"),
             "segments": segments,
         }
 

@@ -47,8 +47,10 @@ from optim.sharpness import STEP_NEEDS
 from optim.staging import total_epochs
 from optim.step import PassOutputs, StepBatch, build_step
 
+from . import phases
 from .checkpoint import CheckpointMixin
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
+from .compile_cache import auto_compiles
 from .cost import RunCost
 from .data import DataManager
 from .errors import ConfigError
@@ -309,10 +311,12 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             set_random_seed(cfg.SEED)
         self.compile_mode = resolve_compile(cfg.MODEL.COMPILE, self.device.type)
         self.compiled_modules: list[str] | None = None  # None: compile_model() not run yet
+        phases.enter("dataset")  # start-up phases (engine.phases)
         if classnames is None:
             self.build_data_loader()
         else:
             self.set_classnames(classnames)
+        phases.enter("model build")
         self.build_model()
         if isinstance(getattr(self, "model", None), nn.Module):
             from .clip.model import check_input_size  # lazily, as every engine use of open_clip
@@ -335,6 +339,9 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         the compiled modules."""
         model = getattr(self, "model", None)
         if self.compile_mode and self.compiled_modules is None and isinstance(model, nn.Module):
+            if self.cfg.MODEL.COMPILE == AUTO and not auto_compiles(self):  # engine.compile_cache
+                self.compiled_modules = []
+                return []
             self.compiled_modules = compile_encoders(model, self.compile_mode)
         return self.compiled_modules or []
 
@@ -423,6 +430,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
     def before_train(self):
         if self.dm is None:
             raise RuntimeError("This trainer was built from class names only: it has no data")
+        phases.enter("resume")
         self.optim_step.check(self.cfg.OPTIM.SAM.NAME, self.max_epoch)
         self.optim_step.check_caller(self.step_gives(), f"{type(self).__name__}'s step", STEP_FIX)
         self.compile_model()
@@ -430,6 +438,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.start_epoch = self.resume_model_if_exist(directory)
         dm = getattr(self, "dm", None)
         if dm is not None and self.start_epoch < self.max_epoch:
+            phases.enter("caches")
             dm.cache_training_images()
         keep = None
         if self.start_epoch > 0:  # resumed: the steps from here on are written again
@@ -438,6 +447,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.writer.open(self.output_dir, osp.join(self.output_dir, "tensorboard"), keep=keep)
         self.time_start = time.time()
         self.cost = RunCost(self.device, self.output_dir, self._cost_meta(), self.start_epoch > 0)
+        phases.enter("first batch")
 
     def after_train(self):
         for line in TRAIN_END_LINES:
@@ -452,6 +462,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
                 logger.info("Deploy the last-epoch model")
             self.test()
         clear_divergence(self.output_dir)  # finished: a diverged-and-resumed run recovered
+        phases.run_ended(getattr(self, "cost", None))  # cost.json's wall_s
         elapsed = str(datetime.timedelta(seconds=round(time.time() - self.time_start)))
         logger.info("Elapsed: %s", elapsed)
 
@@ -604,7 +615,9 @@ class TrainerX(StepProtocol, SimpleTrainer):
         end = time.time()
         for self.batch_idx, batch in enumerate(self.train_loader_x):  # noqa: B020
             data_time.update(time.time() - end)
+            phases.enter("first step")  # start-up phases: no-ops after the run's first step
             loss_summary = self.train_step(batch)
+            phases.first_step_done(cost, self.device)
             batch_time.update(time.time() - end)
             losses.update(loss_summary)
             n_iter = self.epoch * self.num_batches + self.batch_idx

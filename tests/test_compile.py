@@ -17,6 +17,7 @@ from conftest import make_cfg
 from helpers import DEPTH, coop_args, tiny_options
 
 import engine.compile as ec
+import engine.compile_cache as compile_cache
 import engine.trainer as et
 from engine import build_trainer
 from engine.registry import TRAINER_REGISTRY
@@ -180,6 +181,8 @@ def test_auto_is_off_on_cpu_and_compiles_when_training_starts(
     # compiled when the trainer is built (an evaluation-only run stays eager), training compiles
     resolve = ec.resolve_compile
     monkeypatch.setattr(et, "resolve_compile", lambda v, d: "aot_eager" if v == "auto" else "")
+    # auto's decision (engine/compile_cache.py, tests/test_compile_cache.py): here it pays
+    monkeypatch.setattr(compile_cache, "decide", lambda *a, **k: (True, "stand-in: it pays"))
     marks = []
     monkeypatch.setattr(et, "mark_step", lambda: marks.append(1))
     no_test = ("TEST.NO_TEST", "True")

@@ -58,7 +58,7 @@ def last_log(folder: str) -> str:
         return f.read()
 
 
-MEASURED = ("train_time_s", "mean_step_s", "peak_cpu_rss_mb", "peak_cuda_mb")
+MEASURED = ("train_time_s", "mean_step_s", "peak_cpu_rss_mb", "peak_cuda_mb", "startup", "wall_s")
 
 
 def counted_cost(cost: dict, segments: bool = True) -> dict:

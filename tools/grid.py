@@ -59,12 +59,14 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from queue import Empty, Queue
 
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
+from experiments.grid_estimate import report_actual, report_plan  # noqa: E402
 from experiments.grid_exec import GridError, Progress, execute_chain  # noqa: E402
 from experiments.grid_plan import (  # noqa: E402
     AXES,
@@ -445,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         pending = print_plan(chains, setup, args.dry_run, args.commands)
         for line in shots_warnings(chains, setup) if pending else []:  # dry runs included
             print(f"warning: {line}", flush=True)
+        plan = report_plan(chains, setup, args, detect_gpus) if pending else None  # the estimate
         if args.dry_run or not pending:
             return 0
         if not setup.data:
@@ -465,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             check_gpu_memory(gpus, args.per_gpu, args.worker_mem_gb)
         slots = len(gpus) * args.per_gpu if gpus else args.workers
         stream = not args.quiet and slots == 1
+        started = time.perf_counter()
         failed = run_local(todo, setup, gpus, stream, args.per_gpu, args.in_process, args.workers)
+        report_actual(plan, todo, time.perf_counter() - started)  # the estimate against the actual
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2

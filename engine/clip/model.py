@@ -37,6 +37,7 @@ import zipfile
 
 import torch
 
+from engine import phases
 from engine.errors import ConfigError
 
 from . import weights
@@ -468,27 +469,28 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
     Returns:
         An open_clip ``CLIP`` in eval mode with ``requires_grad=False`` everywhere.
     """
-    bb = cfg.MODEL.BACKBONE
-    path = ensure_weights(cfg) if bb.PRETRAINED else None
-    if bb.PRETRAINED and path is None:
-        raise BackboneError(
-            "No CLIP weights: MODEL.BACKBONE.NAME, PATH and URL are empty. Set MODEL.BACKBONE.NAME "
-            "(e.g. ViT-B/16), MODEL.BACKBONE.PATH to a local OpenAI or open_clip checkpoint, or "
-            "MODEL.BACKBONE.PRETRAINED False for random weights."
-        )
-    if path is None:
-        model_cfg, source = _model_config(cfg)
-        logger.warning("MODEL.BACKBONE.PRETRAINED is False: CLIP %s has RANDOM weights", source)
-        model = build_clip(model_cfg, precision)
-        if precision == "fp16":
-            convert_weights_to_lp(model, dtype=torch.float16)
-    else:
-        sd, is_jit = _read_weights(path)
-        model = clip_from_state_dict(cfg, sd, is_jit, path, precision)
-        logger.info("Loaded CLIP weights from %s", path)
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
+    with phases.phase("clip weights"):  # the start-up phases of the run (engine.phases)
+        bb = cfg.MODEL.BACKBONE
+        path = ensure_weights(cfg) if bb.PRETRAINED else None
+        if bb.PRETRAINED and path is None:
+            raise BackboneError(
+                "No CLIP weights: MODEL.BACKBONE.NAME, PATH and URL are empty. Set "
+                "MODEL.BACKBONE.NAME (e.g. ViT-B/16), MODEL.BACKBONE.PATH to a local OpenAI or "
+                "open_clip checkpoint, or MODEL.BACKBONE.PRETRAINED False for random weights."
+            )
+        if path is None:
+            model_cfg, source = _model_config(cfg)
+            logger.warning("MODEL.BACKBONE.PRETRAINED is False: CLIP %s has RANDOM weights", source)
+            model = build_clip(model_cfg, precision)
+            if precision == "fp16":
+                convert_weights_to_lp(model, dtype=torch.float16)
+        else:
+            sd, is_jit = _read_weights(path)
+            model = clip_from_state_dict(cfg, sd, is_jit, path, precision)
+            logger.info("Loaded CLIP weights from %s", path)
+        model.to(device)
+        model.eval()
+        model.requires_grad_(False)
     return model
 
 
