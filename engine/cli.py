@@ -313,7 +313,9 @@ def run(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return main(args)
+        code = main(args)
+        distributed.shutdown()  # data-parallel (#29): leave the process group
+        return code
     except Exception as e:
         if distributed.data_parallel():  # data-parallel (#29): one line naming the rank
             print(distributed.failure_message(e), file=sys.stderr, flush=True)

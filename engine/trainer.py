@@ -45,11 +45,11 @@ from torch import nn
 from optim.staging import total_epochs
 from optim.step import PassOutputs, StepBatch, build_step
 
+from . import distributed
 from .checkpoint import CheckpointMixin
 from .clip.text import shared_prefix_text
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
 from .cost import RunCost
-from . import distributed
 from .data import DataManager
 from .errors import ConfigError
 from .evaluation import EvaluationMixin, compute_dtype

@@ -83,7 +83,9 @@ def run_case(trainer, family, dtype, dtd_root, deep_opts, tmp, evaluate=False) -
         tr.before_epoch()
         tr.run_epoch()
     out = {
-        "params": {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad},
+        "params": {
+            k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad
+        },
         "optim": next(o for o in tr._optims.values() if o is not None).state_dict(),
         "steps": len(tr.train_loader_x) * EPOCHS,
     }
