@@ -89,9 +89,11 @@ def execute_chain(
     stream: bool = True,
     where: str = "",
     worker=None,
+    nproc: int = 1,
 ) -> None:
     """Run the unfinished runs of ``chain`` in order (evaluations need a finished training);
-    ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes."""
+    ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes;
+    ``nproc`` > 1: each run is that many data-parallel processes (torchrun)."""
     for run in chain.runs:
         status = run_status(run)
         if status == "done":
@@ -104,6 +106,10 @@ def execute_chain(
                     raise ProtocolError("its training run has no result")
                 epoch = load_epoch(run.model_dir)
             cmd = run.command(setup, epoch)
+            if nproc > 1:  # data-parallel runs (#29): tools/grid_distributed.py
+                from tools.grid_distributed import torchrun_command
+
+                cmd = torchrun_command(cmd, nproc)
         except ProtocolError as e:
             progress.done(run, f"{run.label}: not run: {e}", 0)
             continue
