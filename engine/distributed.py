@@ -62,6 +62,20 @@ def world_size() -> int:
     return dp[1] if dp else 1
 
 
+def shard_size(global_batch: int) -> int:
+    """This process's items of a full global batch (the batch itself in one process)."""
+    from .data.distributed import split_sizes
+
+    dp = data_parallel()
+    return global_batch if dp is None else split_sizes(global_batch, dp[1])[dp[0]]
+
+
+def barrier() -> None:
+    """Wait for every process (a no-op in one process)."""
+    if data_parallel() is not None:
+        dist.barrier()
+
+
 def is_main_process() -> bool:
     """Whether this process writes the run's files (rank 0, or the only process)."""
     return rank() == 0

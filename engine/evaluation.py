@@ -80,7 +80,7 @@ class EvaluationMixin:
                 shard = [] if distributed.data_parallel() else None  # data-parallel (#29)
                 for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
                     input, label = self.parse_batch_test(batch)
-                    full = loader.batch_size or len(label)
+                    full = loader.batch_size or self.cfg.DATALOADER.TEST.BATCH_SIZE or len(label)
                     with self.compiled_batch(len(label), full, training=False), self.autocast():
                         output = self.model_inference(input)
                     if shard is not None:  # gathered below, in the set's order

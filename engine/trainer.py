@@ -495,6 +495,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if do_test:
             if self.cfg.TEST.FINAL_MODEL == "best_val":
                 logger.info("Deploy the model with the best val performance")
+                distributed.barrier()  # data-parallel (#29): rank 0 has written model-best
                 self.load_model(self.output_dir)
             else:
                 logger.info("Deploy the last-epoch model")
@@ -674,7 +675,8 @@ class TrainerX(SimpleTrainer):
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
         size = _batch_len(batch)
-        with self.compiled_batch(size, self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
+        full = distributed.shard_size(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)  # #29: this process's
+        with self.compiled_batch(size, full):
             parsed = self.parse_batch_train(batch)
             with torch.no_grad(), self.autocast():
                 inputs = self.prepare_step(parsed)

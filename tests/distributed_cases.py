@@ -4,6 +4,7 @@ through the engine's own epoch code, and return what must equal the one-process 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import traceback
@@ -71,9 +72,34 @@ def _to_dtype(tr, dtype) -> None:
             m.dtype = dtype
 
 
+@contextlib.contextmanager
+def keep_float64(dtype):
+    """In a float64 case, ``Tensor.float()`` keeps float64 tensors (the trainers' fp32 casts of
+    features and logits, e.g. CoPrompt's adapters): the whole step in float64, so the
+    comparison sees the sync's rounding, not fp32's."""
+    if dtype != torch.float64:
+        yield
+        return
+    original = torch.Tensor.float
+
+    def wide(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
+
+    torch.Tensor.float = wide
+    try:
+        yield
+    finally:
+        torch.Tensor.float = original
+
+
 def run_case(trainer, family, dtype, dtd_root, deep_opts, tmp, evaluate=False) -> dict:
     """Train ``trainer`` with ``family`` for EPOCHS epochs as the engine's epoch loop does;
     returns the learnable state, the optimizer state and (``evaluate``) the test predictions."""
+    with keep_float64(dtype):
+        return _run_case(trainer, family, dtype, dtd_root, deep_opts, tmp, evaluate)
+
+
+def _run_case(trainer, family, dtype, dtd_root, deep_opts, tmp, evaluate) -> dict:
     opts = case_options(trainer, family, dtd_root, deep_opts, tmp)
     tr = build_trainer(make_cfg(opts, trainer=trainer))
     if dtype != torch.float32:
