@@ -4,9 +4,10 @@
 - The equivalence suite: gloo processes (spawned, several trainer x optimizer cases per process
   group) against one process, same global batch and seed: parameters and optimizer state after
   4 steps, in float64 (to its rounding: the tiny random CLIPs' gradients cancel so much that
-  fp32 rounding alone moves them by 1e-3 relative), evaluation predictions and accuracy. The fast part runs 3 processes (uneven shards 3, 3, 2)
-  on the optimizers with per-item records; the long part (slow) every optimizer family on CoOp
-  and SAMPLe on every registered trainer, with 2 processes.
+  fp32 rounding alone moves them by 1e-3 relative), evaluation predictions and accuracy. The
+  fast part runs 3 processes (uneven shards 3, 3, 2) on the optimizers with per-item records;
+  the long part (slow) every optimizer family on CoOp and SAMPLe on every registered trainer,
+  with 2 processes.
 - ``torchrun --nproc_per_node 2 train.py`` gives the one-process run's checkpoint, resumes into
   one process, and a killed rank ends the run with a message naming it.
 """
