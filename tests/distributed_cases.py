@@ -34,6 +34,8 @@ FAMILIES = {
     "mrwp": ["OPTIM.SAM.NOISE", "0.1"],
     "saf": ["OPTIM.SAM.EPOCHS_BACK", "1", "OPTIM.SAM.TEMPERATURE", "2"],
     "mesa": ["OPTIM.SAM.EMA_DECAY", "0.5", "OPTIM.SAM.TEMPERATURE", "2"],
+    # m-sharpness: another method with several processes (in one process: SAM)
+    "sam-local": ["DISTRIBUTED.LOCAL_ASCENT", "True"],
 }
 BATCH = 8  # 14 training items (7 classes x 2 shots): global batches of 8 and 6
 EPOCHS = 2

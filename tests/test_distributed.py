@@ -40,6 +40,8 @@ from engine.data.distributed import (
 from engine.data.manager import EpochSampler
 from engine.distributed import env_from_slurm, first_host
 from engine.errors import ConfigError
+from optim import list_optimizers
+from optim.errors import OptimConfigError
 
 
 # -- the sampler ------------------------------------------------------------------------------
@@ -113,6 +115,14 @@ def compare(cases, world, dtd_root, deep_opts, tmp_path):
         x, y = flat([a["params"], a["optim"]]), flat([b["params"], b["optim"]])
         assert x.shape == y.shape, key
         diff = float((x - y).abs().max())
+        passes = 2 if family.split("-")[0] in TWO_PASS else 1
+        expected = a["steps"] * (1 if family.endswith("-local") else passes)
+        if family not in ("looksam", "sample-k2"):  # lookahead: the second pass every 2 steps
+            assert b["allreduces"] == expected, (key, b["allreduces"], expected)
+        if family.endswith("-local"):  # m-sharpness: each process's own ascent, another method
+            assert diff > 1e-6, (key, diff)
+            table[key] = (diff, b["allreduces"], b["bytes"])
+            continue
         tol = 1e-10 if dtype == torch.float64 else 2e-5 * float(x.abs().max())
         assert diff <= tol, (key, diff)
         assert not torch.equal(flat(a["params"]), flat(run_params_at_start(a))), key
@@ -130,6 +140,7 @@ def run_params_at_start(result):
 
 
 F64 = torch.float64
+TWO_PASS = {s.name for s in list_optimizers("sharpness") if s.needs_closure}
 
 
 def test_three_processes_equal_one_with_per_item_records(dtd_root, deep_opts, tmp_path):
@@ -140,8 +151,28 @@ def test_three_processes_equal_one_with_per_item_records(dtd_root, deep_opts, tm
         ("CoOp", "esam", F64, False),
         ("CoOp", "esam-masked", F64, False),
         ("CoOp", "saf", F64, False),
+        ("CoOp", "sam-local", F64, False),
     ]
     compare(cases, 3, dtd_root, deep_opts, tmp_path)
+
+
+def test_m_sharpness_is_refused_where_processes_would_drift(tiny_clip_opts, tmp_path):
+    from optim.distributed import check_local_ascent
+    from optim.fsam import FSAM
+    from optim.sam import SAM
+    from optim.sample import SAMPLe
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    check_local_ascent(SAM(params, lr=0.1))  # the update is the perturbed gradient: allowed
+    for opt, why in (
+        (SAMPLe(params, lr=0.1), "its update uses the first-pass gradient"),
+        (FSAM(params, lr=0.1), "moving average of the first-pass gradient"),
+        (SAM(params, lr=0.1), "lookahead"),
+    ):
+        if why == "lookahead":
+            opt.set_lookahead(2, 0.7)
+        with pytest.raises(OptimConfigError, match=why):
+            check_local_ascent(opt)
 
 
 @pytest.mark.slow
