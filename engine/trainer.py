@@ -675,7 +675,7 @@ class TrainerX(SimpleTrainer):
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
         size = _batch_len(batch)
-        full = distributed.shard_size(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)  # #29: this process's
+        full = distributed.shard_size(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)  # #29: its share
         with self.compiled_batch(size, full):
             parsed = self.parse_batch_train(batch)
             with torch.no_grad(), self.autocast():

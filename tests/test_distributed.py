@@ -177,7 +177,7 @@ def test_m_sharpness_is_refused_where_processes_would_drift(tiny_clip_opts, tmp_
 
 @pytest.mark.slow
 def test_every_trainer_and_optimizer_family_in_two_processes(dtd_root, deep_opts, tmp_path):
-    families = [f for f in FAMILIES if f not in ("esam-masked",)]
+    families = [f for f in FAMILIES if f not in ("esam-masked", "sam-local")]  # in the fast part
     cases = [("CoOp", f, F64, False) for f in families]
     cases += [(t, "sample", F64, True) for t in trainable() if t != "CoOp"]
     table = compare(cases, 2, dtd_root, deep_opts, tmp_path)
