@@ -84,17 +84,16 @@ class GradientSync:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
         self.calls += 1
         self.bytes = buf.numel() * buf.element_size()
-        n_total = buf[-1]
-        if float(n_total) <= 0:
+        *flags, n_total = buf[-1 - len(params) :].tolist()  # one host transfer
+        if n_total <= 0:
             raise RuntimeError("GradientSync: no process contributed an item to this pass")
-        flags = buf[-1 - len(params) : -1]
         offset = 0
         for i, (p, n) in enumerate(zip(params, sizes)):
             chunk = buf[offset : offset + n]
             offset += n
             if flags[i] == 0:
                 continue
-            value = (chunk / n_total).view_as(p)
+            value = (chunk / buf[-1]).view_as(p)
             if p.grad is None:
                 p.grad = value.to(p.dtype)
             else:

@@ -153,7 +153,9 @@ def test_three_processes_equal_one_with_per_item_records(dtd_root, deep_opts, tm
         ("CoOp", "saf", F64, False),
         ("CoOp", "sam-local", F64, False),
     ]
-    compare(cases, 3, dtd_root, deep_opts, tmp_path)
+    table = compare(cases, 3, dtd_root, deep_opts, tmp_path)
+    for key, (diff, calls, nbytes) in sorted(table.items()):
+        print("equivalence", *key, f"max|diff| {diff:.2e}", f"all-reduces {calls}", nbytes)
 
 
 def test_m_sharpness_is_refused_where_processes_would_drift(tiny_clip_opts, tmp_path):
