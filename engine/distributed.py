@@ -163,8 +163,24 @@ def wait_for_main() -> str | None:
     return box[0]
 
 
+# a collective that failed because another process died or went silent (gloo, NCCL)
+_PEER_LOST = ("closed by peer", "reset by peer", "timed out", "timeout", "broken pipe")
+
+
 def failure_message(error: BaseException) -> str:
-    return FAILED.format(rank=rank(), world=world_size(), cause=f"{type(error).__name__}: {error}")
+    """The one line a failing process prints: its rank and the cause; a process whose
+    collective failed because another one died says so (that process names its own cause,
+    and torchrun/srun name the first process that failed)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    lost = isinstance(error, getattr(dist, "DistBackendError", ())) or any(
+        k in text.lower() for k in _PEER_LOST
+    )
+    if lost:
+        return (
+            f"Data-parallel run: rank {rank()} of {world_size()} stopped: another process failed "
+            f"or stopped answering ({type(error).__name__}: {text[:300]})"
+        )
+    return FAILED.format(rank=rank(), world=world_size(), cause=f"{type(error).__name__}: {text}")
 
 
 def shutdown() -> None:

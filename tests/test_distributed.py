@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import os.path as osp
+import re
 import shutil
 import signal
 import socket
@@ -270,8 +271,20 @@ def test_a_killed_rank_ends_the_run_with_its_name(dtd_root, tiny_clip_opts, tmp_
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode != 0
-    assert "rank 1" in text.lower() or "local_rank: 1" in text, text[-3000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", text), text[-3000:]  # torchrun names it
     assert "SIGKILL" in text or "Signal 9" in text, text[-3000:]
+    # the survivor says why it stopped, in one line, not as a failure of its own
+    assert "rank 0 of 2 stopped: another process failed or stopped answering" in text
+
+
+def test_failure_messages_name_the_rank_and_the_cause():
+    from engine.distributed import failure_message
+
+    assert failure_message(ValueError("bad value\nmore")) == (
+        "Data-parallel run: rank 0 of 1 failed: ValueError: bad value"
+    )
+    lost = failure_message(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
+    assert "stopped: another process failed or stopped answering" in lost
 
 
 def rank_pid(parent: int, rank: int) -> int | None:
