@@ -304,3 +304,22 @@ def rank_pid(parent: int, rank: int) -> int | None:
         if env.get(b"RANK") == str(rank).encode():
             return int(pid)
     return None
+
+
+def test_grid_groups_gpus_and_launches_torchrun():
+    from argparse import Namespace
+
+    from tools.grid_distributed import check_args, gpu_groups
+    from tools.grid_exec import GridError, torchrun_command
+
+    assert gpu_groups(["0", "1", "2", "3"], 2) == ["0,1", "2,3"]
+    with pytest.raises(GridError, match="multiple of 2 GPUs"):
+        gpu_groups(["0", "1", "2"], 2)
+    assert torchrun_command(["py", "train.py", "--seed", "1"], 2) == [
+        "py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "train.py", "--seed", "1",
+    ]  # fmt: skip
+    args = Namespace(gpus_per_run=2, in_process=False, per_gpu=1, slurm=True, slurm_gpus=1)
+    assert check_args(args) == 2 and args.slurm_gpus == 2  # one GPU per process
+    with pytest.raises(GridError, match="--in-process"):
+        check_args(Namespace(gpus_per_run=2, in_process=True, per_gpu=1, slurm=False))

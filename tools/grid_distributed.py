@@ -14,16 +14,7 @@ one-run-per-GPU and packed modes:
 
 from __future__ import annotations
 
-from tools.grid_exec import GridError
-
-
-def torchrun_command(cmd: list[str], nproc: int) -> list[str]:
-    """``[python, train.py, args...]`` as ``nproc`` data-parallel processes (torchrun)."""
-    if nproc <= 1:
-        return list(cmd)
-    python, script, *args = cmd
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return [python, *launch, script, *args]
+from tools.grid_exec import GridError, torchrun_command  # noqa: F401  (the launcher)
 
 
 def gpu_groups(gpus: list[str], nproc: int) -> list[str]:

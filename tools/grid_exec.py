@@ -63,6 +63,16 @@ class Progress:
 
 
 # -- execution --------------------------------------------------------------------------------
+def torchrun_command(cmd: list[str], nproc: int) -> list[str]:
+    """``[python, train.py, args...]`` as ``nproc`` data-parallel processes (#29: torchrun
+    with a rendezvous of its own on a free local port; docs/distributed.md)."""
+    if nproc <= 1:
+        return list(cmd)
+    python, script, *args = cmd
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return [python, *launch, script, *args]
+
+
 def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool, worker=None) -> int:
     """Run ``cmd`` (a train.py command) as a process, or in ``worker`` (tools.worker.Worker:
     ``train.py``'s arguments run in that process); output in ``console.txt`` unless ``stream``.
@@ -107,8 +117,6 @@ def execute_chain(
                 epoch = load_epoch(run.model_dir)
             cmd = run.command(setup, epoch)
             if nproc > 1:  # data-parallel runs (#29): tools/grid_distributed.py
-                from tools.grid_distributed import torchrun_command
-
                 cmd = torchrun_command(cmd, nproc)
         except ProtocolError as e:
             progress.done(run, f"{run.label}: not run: {e}", 0)
