@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 
+from . import distributed
+
 logger = logging.getLogger("train")  # the name of the log lines users grep for
 _MODES = {  # the line every run's log starts with (docs/reproducing.md)
     "paper": "the method as the paper writes it; the default of every command",
@@ -221,12 +223,41 @@ def main(args) -> int:
     cfg = setup_cfg(args, notes)
     validate_cfg(cfg)  # before the output folder is touched
     check_run_inputs(cfg)  # the trainer's name and the dataset's folder, as early
+    if distributed.init_from_env(cfg) is not None and not distributed.is_main_process():
+        return _follow(args, cfg)  # data-parallel (#29): rank 0 owns the run folder
     folder = RunFolder(cfg.OUTPUT_DIR)
-    folder.acquire()  # one process per folder, for the run's life
     try:
-        return _run_in_folder(args, cfg, folder, notes)
-    finally:
-        folder.release()
+        folder.acquire()  # one process per folder, for the run's life
+        try:
+            return _run_in_folder(args, cfg, folder, notes)
+        finally:
+            folder.release()
+    except BaseException as e:
+        distributed.release_followers(str(e))  # data-parallel (#29): unless already released
+        raise
+
+
+def _follow(args, cfg) -> int:
+    """A data-parallel process other than rank 0: wait for rank 0 to prepare the run folder,
+    then build the same trainer and take part in every step and evaluation (rank 0 writes)."""
+    from . import build_trainer
+    from .utils import set_random_seed
+
+    distributed.setup_follower_logging()
+    error = distributed.wait_for_main()
+    if error is not None:
+        logger.warning("rank 0 stopped before training: %s", error)
+        return 2
+    if cfg.SEED >= 0:
+        set_random_seed(cfg.SEED)
+    trainer = build_trainer(cfg)
+    if args.eval_only:
+        trainer.load_model(args.model_dir, epoch=args.load_epoch)
+        trainer.test()
+        return 0
+    if not args.no_train:
+        trainer.train()
+    return 0
 
 
 def _evaluates_in_place(args, cfg) -> bool:
@@ -306,6 +337,13 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
         logger.info("%s: %s", key, getattr(args, key))
     logger.info("************\n** Config **\n************\n%s", cfg)
     logger.info("Collecting env info ...\n** System info **\n%s\n", collect_env_info())
+    if distributed.data_parallel():
+        logger.info(
+            "Data-parallel run: %d processes (%s); DATALOADER.TRAIN_X.BATCH_SIZE %d is the global "
+            "batch", distributed.world_size(), distributed.cost_meta()["backend"],
+            cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+        )  # fmt: skip
+    distributed.release_followers(None)  # data-parallel (#29): the folder is ready
 
     trainer = build_trainer(cfg)
     if not in_place:
@@ -337,8 +375,12 @@ def run(argv=None) -> int:
     phases.begin_run()  # the start-up phases of this run (engine/phases.py)
     args = build_parser().parse_args(argv)
     try:
-        return main(args)
+        code = main(args)
+        distributed.shutdown()  # data-parallel (#29): leave the process group
+        return code
     except Exception as e:
+        if distributed.data_parallel():  # data-parallel (#29): one line naming the rank
+            print(distributed.failure_message(e), file=sys.stderr, flush=True)
         # plain ValueError / FileNotFoundError: the checks of trainers written before UserError
         user = isinstance(e, UserError) or type(e) in (ValueError, FileNotFoundError)
         if not (user or isinstance(e, FloatingPointError)):

@@ -237,6 +237,16 @@ _C.TEST.FEATURE_CACHE = True
 _C.TEST.FEATURE_CACHE_DIR = ""  # empty: $SAMPLE_PL_CACHE/eval_features (~/.cache/sample-pl/...)
 
 ###########################
+# Data-parallel runs (torchrun / srun; docs/distributed.md)
+###########################
+_C.DISTRIBUTED = CN()
+# m-sharpness: the first pass of a two-pass (sharpness-aware) step is not all-reduced, so each
+# process climbs along its own shard's gradient (another method; default: the 1-process ascent)
+_C.DISTRIBUTED.LOCAL_ASCENT = False
+_C.DISTRIBUTED.TIMEOUT = 300  # seconds a collective waits for a silent process before failing
+_C.DISTRIBUTED.BACKEND = ""  # "": nccl on GPUs, gloo on CPU; or "gloo" / "nccl"
+
+###########################
 # Trainer
 ###########################
 _C.TRAINER = CN()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from . import distributed
 from .feature_cache import (
     FeatureCache,
     cache_key,
@@ -68,7 +69,7 @@ class EvaluationMixin:
         try:
             if encoder is not None:
                 features, labels = self._eval_features(encoder, loader, split)
-                step = loader.batch_size or 100
+                step = loader.batch_size or self.cfg.DATALOADER.TEST.BATCH_SIZE or 100
                 for i in range(0, len(labels), step):
                     chunk = features[i : i + step]
                     with self.compiled_batch(len(chunk), step, training=False), self.autocast():
@@ -76,13 +77,22 @@ class EvaluationMixin:
                     nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), labels[i : i + step])
             else:
+                shard = [] if distributed.data_parallel() else None  # data-parallel (#29)
                 for batch in tqdm(loader, desc=f"eval {split}", leave=False, disable=None):
                     input, label = self.parse_batch_test(batch)
-                    full = loader.batch_size or len(label)
+                    full = loader.batch_size or self.cfg.DATALOADER.TEST.BATCH_SIZE or len(label)
                     with self.compiled_batch(len(label), full, training=False), self.autocast():
                         output = self.model_inference(input)
+                    if shard is not None:  # gathered below, in the set's order
+                        shard.append((output.float(), label))
+                        continue
                     nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
                     self.evaluator.process(output.float(), label)
+                if shard is not None:
+                    output = distributed.gather_rows(torch.cat([o for o, _ in shard]))
+                    label = distributed.gather_rows(torch.cat([lab for _, lab in shard]))
+                    nonfinite.append((~torch.isfinite(output).all(dim=-1)).sum())
+                    self.evaluator.process(output, label)
         finally:
             self.after_test()
         self._check_finite_logits(nonfinite, split)
@@ -134,6 +144,8 @@ class EvaluationMixin:
                 return hit["features"].to(self.device), hit["labels"].to(self.device)
         wrapped = tqdm(loader, desc=f"encode {split}", leave=False, disable=None)
         features, labels = compute_features(encode, wrapped, self.device, self.autocast)
+        # data-parallel (#29): every process encoded its shard; all of them, in the set's order
+        features, labels = distributed.gather_rows(features), distributed.gather_rows(labels)
         if cache is not None:
             cache.save(key, features, labels)
             logger.info("Evaluation features saved to %s", cache.path(key))

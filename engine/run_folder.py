@@ -48,6 +48,8 @@ NOT_EXPERIMENT_KEYS = (
     "RESUME",
     "USE_CUDA",
     "VERBOSE",
+    "DISTRIBUTED.TIMEOUT",  # how long a data-parallel run waits for a silent process
+    "DISTRIBUTED.BACKEND",
     "PLUGINS",  # where code comes from (a path may be written two ways); TRAINER.NAME counts
     "DATASET.ROOT",
     "DATALOADER.NUM_WORKERS",

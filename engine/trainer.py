@@ -47,7 +47,7 @@ from optim.sharpness import STEP_NEEDS
 from optim.staging import total_epochs
 from optim.step import PassOutputs, StepBatch, build_step
 
-from . import phases
+from . import distributed, phases
 from .checkpoint import CheckpointMixin
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
 from .compile_cache import auto_compiles
@@ -330,6 +330,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.optim_step = build_step(
             cfg, list(self._optims.values()), precision=self.prec, device_type=self.device.type
         )
+        distributed.attach(self)  # data-parallel (#29): the step's gradient sync
         self.evaluator = build_evaluator(cfg, lab2cname=self.lab2cname)
         self.best_result = -float("inf")
 
@@ -436,6 +437,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.compile_model()
         directory = self.cfg.RESUME or self.cfg.OUTPUT_DIR
         self.start_epoch = self.resume_model_if_exist(directory)
+        distributed.broadcast_state(self)  # data-parallel (#29): every process starts as rank 0
         dm = getattr(self, "dm", None)
         if dm is not None and self.start_epoch < self.max_epoch:
             phases.enter("caches")
@@ -457,11 +459,13 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if do_test:
             if self.cfg.TEST.FINAL_MODEL == "best_val":
                 logger.info("Deploy the model with the best val performance")
+                distributed.barrier()  # data-parallel (#29): rank 0 has written model-best
                 self.load_model(self.output_dir)
             else:
                 logger.info("Deploy the last-epoch model")
             self.test()
-        clear_divergence(self.output_dir)  # finished: a diverged-and-resumed run recovered
+        if distributed.is_main_process():  # data-parallel (#29): one writer
+            clear_divergence(self.output_dir)  # finished: a diverged-and-resumed run recovered
         phases.run_ended(getattr(self, "cost", None))  # cost.json's wall_s
         elapsed = str(datetime.timedelta(seconds=round(time.time() - self.time_start)))
         logger.info("Elapsed: %s", elapsed)
@@ -477,6 +481,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             "device": self.device.type,
             "precision": self.prec,
             "batch_size": self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+            **distributed.cost_meta(),  # data-parallel (#29): the number of processes
         }
 
     def log_cost(self) -> None:
@@ -498,6 +503,8 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
     def on_divergence(self, error: FloatingPointError) -> None:
         """Write ``diverged.json`` (epoch, batch, message): a re-run into this folder then
         refuses to resume past the divergence unless asked (train.py --force-resume)."""
+        if not distributed.is_main_process():  # data-parallel (#29): one writer
+            return
         write_divergence(
             self.output_dir,
             epoch=self.epoch + 1,
@@ -509,6 +516,8 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if self.cfg.SEED >= 0:  # every epoch starts from a seed of its own: exact resume
             set_random_seed(epoch_seed(self.cfg.SEED, self.epoch) + 1)
         sampler = getattr(self.train_loader_x, "sampler", None)
+        shards = getattr(self.train_loader_x, "batch_sampler", None)  # data-parallel (#29)
+        sampler = shards if hasattr(shards, "set_epoch") else sampler
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         self.optim_step.begin_epoch(self.epoch, self._models)
@@ -522,7 +531,12 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             curr_result = self.test(split="val")
             if curr_result > self.best_result:
                 self.best_result = curr_result
-                self.save_model(self.epoch, self.output_dir, val_result=curr_result, is_best=True)
+                if distributed.is_main_process():  # data-parallel (#29): one writer
+                    self.save_model(
+                        self.epoch, self.output_dir, val_result=curr_result, is_best=True
+                    )
+        if not distributed.is_main_process():  # data-parallel (#29): one writer
+            return
         if meet_checkpoint_freq or last_epoch:
             self.save_model(self.epoch, self.output_dir)  # also drops an older rolling one
         else:  # a kill loses at most this epoch (TRAIN.CHECKPOINT_FREQ keeps Dassl's meaning)
@@ -571,7 +585,8 @@ class TrainerX(StepProtocol, SimpleTrainer):
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
         size = batch_len(batch)
-        with self.compiled_batch(size, self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
+        full = distributed.shard_size(self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE)  # #29: its share
+        with self.compiled_batch(size, full):
             parsed = self.parse_batch_train(batch)
             with torch.no_grad(), self.autocast():
                 inputs = self.prepare_step(parsed)
@@ -579,6 +594,7 @@ class TrainerX(StepProtocol, SimpleTrainer):
             if index is not None:
                 index = torch.as_tensor(index).to(self.device, non_blocking=True)
             step_batch = StepBatch(partial(self._pass, inputs, size=size), index)
+            step_batch.count = size  # data-parallel (#29): this process's share of the step
             self.optim_step.begin_step(step_batch, self.epoch)
             self._pass_outputs = None
             loss, summary = self._loss(inputs)

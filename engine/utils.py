@@ -128,8 +128,16 @@ def _atomic_write(path: str, data: bytes | str, mode: str) -> None:
         raise
 
 
+def _writer() -> bool:
+    """Data-parallel runs (#29): only rank 0 writes the run's files (engine.distributed)."""
+    from .distributed import is_main_process
+
+    return is_main_process()
+
+
 def atomic_write_text(path: str, text: str) -> None:
-    _atomic_write(path, text, "w")
+    if _writer():
+        _atomic_write(path, text, "w")
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -138,6 +146,8 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def atomic_torch_save(obj, path: str) -> None:
     """``torch.save`` that never leaves a half-written file behind."""
+    if not _writer():  # data-parallel (#29): one writer
+        return
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # serialised first: the size is known if the disk is full
     _atomic_write(path, buffer.getbuffer(), "wb")

@@ -56,6 +56,10 @@ class ScalarWriter:
                 write again) are dropped by rewriting the file atomically, so each step is
                 written once.
         """
+        from .distributed import is_main_process
+
+        if not is_main_process():  # data-parallel (#29): rank 0 writes the scalars
+            return
         path = osp.join(output_dir, "scalars.jsonl")
         if keep is not None and self._file is None and osp.isfile(path):
             self._drop_rows(path, keep)

@@ -63,6 +63,16 @@ class Progress:
 
 
 # -- execution --------------------------------------------------------------------------------
+def torchrun_command(cmd: list[str], nproc: int) -> list[str]:
+    """``[python, train.py, args...]`` as ``nproc`` data-parallel processes (#29: torchrun
+    with a rendezvous of its own on a free local port; docs/distributed.md)."""
+    if nproc <= 1:
+        return list(cmd)
+    python, script, *args = cmd
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return [python, *launch, script, *args]
+
+
 def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool, worker=None) -> int:
     """Run ``cmd`` (a train.py command) as a process, or in ``worker`` (tools.worker.Worker:
     ``train.py``'s arguments run in that process); output in ``console.txt`` unless ``stream``.
@@ -89,9 +99,11 @@ def execute_chain(
     stream: bool = True,
     where: str = "",
     worker=None,
+    nproc: int = 1,
 ) -> None:
     """Run the unfinished runs of ``chain`` in order (evaluations need a finished training);
-    ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes."""
+    ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes;
+    ``nproc`` > 1: each run is that many data-parallel processes (torchrun)."""
     for run in chain.runs:
         status = run_status(run)
         if status == "done":
@@ -104,6 +116,8 @@ def execute_chain(
                     raise ProtocolError("its training run has no result")
                 epoch = load_epoch(run.model_dir)
             cmd = run.command(setup, epoch)
+            if nproc > 1:  # data-parallel runs (#29): experiments/grid_distributed.py
+                cmd = torchrun_command(cmd, nproc)
         except ProtocolError as e:
             progress.done(run, f"{run.label}: not run: {e}", 0)
             continue

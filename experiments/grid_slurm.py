@@ -64,6 +64,9 @@ class ChainJob:
     interrupted one from its last epoch.
     """
 
+    def __init__(self, nproc: int = 1):
+        self.nproc = nproc  # data-parallel processes per run (#29: --gpus-per-run)
+
     def __call__(self, chain: Chain, setup: Setup) -> str:
         from experiments.grid_exec import Progress, execute_chain
 
@@ -76,7 +79,7 @@ class ChainJob:
         )
         progress = Progress(todo)
         with _stop_on_sigterm():
-            execute_chain(chain, setup, progress, stream=False)
+            execute_chain(chain, setup, progress, stream=False, nproc=getattr(self, "nproc", 1))
         if progress.failed:
             raise RuntimeError("\n".join(progress.failed))
         return f"{chain.train.label}: done"
@@ -175,7 +178,8 @@ def submit(chains: list[Chain], setup: Setup, args) -> list:
             slurm_max_num_timeout=args.slurm_max_requeues,
         )
         executor.update_parameters(**params)
-        jobs = executor.map_array(ChainJob(), chains, [setup] * len(chains))
+        nproc = getattr(args, "gpus_per_run", 1) or 1  # data-parallel runs (#29)
+        jobs = executor.map_array(ChainJob(nproc), chains, [setup] * len(chains))
     except Exception as e:
         _remove_new_files(folder, before, existed)
         if isinstance(e, GridError):

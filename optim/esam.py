@@ -176,6 +176,8 @@ class ESAM(SharpnessAwareOptimizer):
         if self.gamma >= 1:
             return loss_fn()
         batch = require_batch(batch, "ESAM's data selection (OPTIM.SAM.GAMMA < 1)")
+        if getattr(batch, "sync", None) is not None:  # data-parallel (#29)
+            return self._distributed_second_pass(batch)
         before = batch.first_outputs("ESAM's data selection").sample_loss()
         if max(1, int(before.numel() * self.gamma)) >= before.numel():
             return batch.loss()  # every item selected (e.g. a batch of 1): no extra forward
@@ -193,6 +195,45 @@ class ESAM(SharpnessAwareOptimizer):
         items = out.sample_loss(graph=True)
         subset = self.select(before, items.detach())
         return loss - out.ce + items[subset].mean()
+
+    def _distributed_second_pass(self, batch):
+        """The selection over the *global* batch (data-parallel, :mod:`optim.distributed`):
+        the per-item losses of every process are gathered, the global top items chosen as one
+        process would, and each process runs its pass on its own selected items; its gradient
+        weight (``batch.count``) is its number of selected items, so the all-reduced gradient
+        is that of the mean over the global selection ("subset"). In "masked" the process's
+        loss is rescaled so that its batch-share weight gives the same sum."""
+        sync = batch.sync
+        before_local = batch.first_outputs("ESAM's data selection").sample_loss()
+        before, offset = sync.gather_items(before_local)
+        n_local, n = before_local.numel(), before.numel()
+        k = max(1, int(n * self.gamma))
+        if k >= n:
+            return batch.loss()  # every item selected: the full pass, the batch-share weight
+        stats = self._pending.stats
+        stats["selected"] = torch.tensor(k / n, dtype=stats["grad_norm"].dtype)
+
+        def local(subset):  # this process's part of the global selection, local indices
+            mine = subset[(subset >= offset) & (subset < offset + n_local)]
+            return (mine - offset).to(before_local.device)
+
+        if self.select_pass == "subset":
+            after_local = batch.outputs(who="ESAM's data selection").sample_loss()
+            after, _ = sync.gather_items(after_local)
+            mine = local(self.select(before, after))
+            batch.count = int(mine.numel())
+            if batch.count == 0:  # none of this process's items: a zero gradient, same collectives
+                return torch.zeros((), requires_grad=True)
+            return batch.loss(mine)
+        loss, out = batch.forward(None)  # with gradients, on this process's items
+        if out is None or out.ce is None:
+            raise OptimConfigError(f"ESAM's masked selection {NO_OUTPUTS}")
+        items = out.sample_loss(graph=True)
+        all_items, _ = sync.gather_items(items.detach())
+        mine = local(self.select(before, all_items))
+        # weight n_local / N (batch.count): (L - CE) keeps its share, the selected items' sum
+        # enters as sum_{S_r} l_i / k
+        return loss - out.ce + items[mine].sum() * (n / (k * n_local))
 
 
 register_optimizer(

@@ -84,6 +84,8 @@ class FSAM(SharpnessAwareOptimizer):
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
+    KEEPS_GRADIENT_AVERAGE = True  # m-sharpness would average different g per process (#29)
+
     def __init__(
         self,
         params,

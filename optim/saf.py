@@ -199,16 +199,31 @@ class SAF(TrajectoryOptimizer):
         batch = require_batch(batch, "SAF")
         logits = batch.first_outputs("SAF").logits
         index = batch.require_index("SAF").to(logits.device)
-        self._slots(int(index.max()) + 1, logits.shape[-1], logits.device, acc_dtype(logits))
+        sync = getattr(batch, "sync", None)
+        every_index, every_logits = index, logits.detach()
+        if sync is not None:  # data-parallel (#29): every process records the global batch
+            every_index, _ = sync.gather_items(index)
+            every_logits, _ = sync.gather_items(every_logits)
+        size = int(every_index.max()) + 1
+        self._slots(size, logits.shape[-1], logits.device, acc_dtype(logits))
         e1 = self.epochs_back + 1
         slot = epoch % e1
-        self.records[index, slot] = logits.detach().to(self.records.dtype)
-        self.record_epoch[index, slot] = epoch
+        self.records[every_index, slot] = every_logits.to(self.records.dtype)
+        self.record_epoch[every_index, slot] = epoch
         past = epoch - self.epochs_back
         if epoch <= self.start_epoch or past < 0:
             return None
         valid = (self.record_epoch[index, past % e1] == past).to(self.records.dtype)
-        return self._term(logits, self.records[index, past % e1], valid)
+        if sync is None:
+            return self._term(logits, self.records[index, past % e1], valid)
+        # the global mean over the valid items: sum_r (n_r / N) * term_r with
+        # term_r = (N / n_r) * sum_{valid, r} kl / V  (V valid items in the global batch)
+        n_local = float(index.numel())
+        n_all, n_valid = float(every_index.numel()), sync.total(float(valid.sum()))
+        kl = trajectory_kl(logits, self.records[index, past % e1], self.temperature)
+        term = (kl * valid).sum() / max(n_valid, 1.0) * (n_all / n_local)
+        self._traj = term.detach()
+        return self.weight * term
 
     def _extra_state(self):
         """The recorded logits and the epoch of each record."""

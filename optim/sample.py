@@ -145,6 +145,7 @@ class SAMPLe(SharpnessAwareOptimizer):
 
     VARIANTS = ("paper", "reference", "reference-cocoop")
     UPDATE = {"paper": "sum", "reference": "mean", "reference-cocoop": "mean"}
+    KEEPS_GRADIENT_AVERAGE = True  # m-sharpness would average different g per process (#29)
 
     def __init__(
         self,

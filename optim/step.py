@@ -97,6 +97,10 @@ class StepBatch:
 
     Attributes:
         first: the outputs of the step's first pass (set by the engine), or None.
+        count: the items of this process that the pass being synchronised ran on (data-parallel
+            runs: the weight of its gradients, :mod:`optim.distributed`); None: the batch's.
+        sync: the data-parallel gradient sync (:class:`optim.distributed.GradientSync`), None
+            in a one-process run (set by :meth:`OptimizerStep.begin_step`).
     """
 
     def __init__(
@@ -107,6 +111,8 @@ class StepBatch:
         self.forward = forward
         self.index = index
         self.first: PassOutputs | None = None
+        self.count: int | None = None  # data-parallel (#29)
+        self.sync = None  # data-parallel (#29)
 
     def loss(self, subset: Tensor | None = None) -> Tensor:
         """The loss on the batch (or on ``subset``), with gradients."""
@@ -181,6 +187,7 @@ class OptimizerStep:
         self.sharp = [o for o in self.optimizers if get_optimizer_spec(o).kind == "sharpness"]
         self._open: StepBatch | None = None  # the batch begin_step opened, until the step
         self._open_epoch: int | None = None
+        self.grad_sync = None  # data-parallel (#29): optim.distributed.GradientSync, set by engine
         self.two_pass = [o for o in self.sharp if get_optimizer_spec(o).needs_closure]
         if self.sharp and len(self.optimizers) != 1:
             raise OptimConfigError(
@@ -216,6 +223,16 @@ class OptimizerStep:
 
     def backward(self, loss: Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    # -- data-parallel (#29): the one gradient-sync hook, after every backward an optimizer reads
+    def sync_gradients(self, batch: StepBatch | None) -> None:
+        """All-reduce the gradients of this pass over the processes (a no-op in one process):
+        weighted by the pass's items (``batch.count``), see :mod:`optim.distributed`."""
+        if self.grad_sync is None:
+            return
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        count = 1 if batch is None else batch.count
+        self.grad_sync(params, 1 if count is None else count)
 
     # -- the contract ------------------------------------------------------------------------
     def needs(self, epoch: int | None = None) -> frozenset[str]:
@@ -273,6 +290,8 @@ class OptimizerStep:
         ``before_forward`` (RWP perturbs the weights, MESA runs its EMA model). Every step of a
         sharpness-aware optimizer must be opened so (``__call__`` refuses one that was not)."""
         self._open, self._open_epoch = batch, epoch
+        if batch is not None and self.grad_sync is not None:  # data-parallel (#29)
+            batch.sync = self.grad_sync
         opt = self._active(epoch)
         if opt is not None:
             opt.before_forward(batch, epoch)
@@ -320,17 +339,21 @@ class OptimizerStep:
                 loss = loss + extra
         self.zero_grad()
         self.backward(loss)
+        two_pass = opt is not None and get_optimizer_spec(opt).needs_closure
+        two_pass = two_pass and opt.second_pass_due()
+        if not (two_pass and self.grad_sync is not None and self.grad_sync.local_ascent):
+            self.sync_gradients(batch)  # data-parallel (#29); m-sharpness: the ascent stays local
         if opt is None:
             self._one_pass()
             return {}
-        if get_optimizer_spec(opt).needs_closure and opt.second_pass_due():
+        if two_pass:
             if loss_fn is None:
                 raise RuntimeError(
                     "A sharpness-aware optimizer evaluates the loss twice per step: the trainer "
                     "must state prepare_step(batch) and compute_loss(inputs) instead of calling "
                     "model_backward_and_update(loss)"
                 )
-            return self._two_pass(opt, loss, lambda: opt.second_pass_loss(batch, loss_fn))
+            return self._two_pass(opt, loss, lambda: opt.second_pass_loss(batch, loss_fn), batch)
         return self._single(opt)
 
     def _single(self, opt) -> dict[str, Tensor]:
@@ -359,13 +382,16 @@ class OptimizerStep:
             self.scaler.step(opt)  # unscales, skips the step on inf/NaN gradients
         self.scaler.update()
 
-    def _two_pass(self, opt, loss: Tensor, loss_fn: Callable[[], Tensor]) -> dict[str, Tensor]:
+    def _two_pass(
+        self, opt, loss: Tensor, loss_fn: Callable[[], Tensor], batch: StepBatch | None = None
+    ) -> dict[str, Tensor]:
         scaler = self.scaler
         if scaler is None:
 
             def closure():
                 loss_p = loss_fn()
                 loss_p.backward()
+                self.sync_gradients(batch)  # data-parallel (#29)
                 return loss_p.detach()
 
             opt.step(closure, loss=loss.detach())
@@ -379,6 +405,7 @@ class OptimizerStep:
             return {}
         opt.first_step(zero_grad=True)
         scaler.scale(loss_fn()).backward()
+        self.sync_gradients(batch)  # data-parallel (#29)
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / scale)
         if grads_finite(opt):

@@ -207,3 +207,31 @@ def test_requeue_cancel_and_time_limit(reference, slurm_cluster, toy, tmp_path, 
     text = capsys.readouterr().out
     assert text.count("submitted job ") == 1 and "CoOp+sample base2new train_base" in text
     assert "1 chains: 1 done" in text
+
+
+def test_grid_gpus_per_run_two_on_slurm(slurm_cluster, toy, tmp_path):
+    """``--gpus-per-run 2 --slurm-gpus 0``: each chain's job runs its runs as 2 gloo processes
+    (torchrun); training and the evaluation of the new classes are data-parallel runs."""
+    base, clip_opts = toy
+    out = str(tmp_path / "out")
+    argv = ["--trainers", "CoOp", "--optims", "sample", "--datasets", "dtd", "--seeds", "1"]
+    argv += ["--repro", "paper", "--data", str(base / "data"), "--output", out, "--shots", "4"]
+    argv += ["--no-check", "--slurm", "--slurm-gpus", "0", "--slurm-cpus", "1"]
+    argv += ["--slurm-poll", "1", "--slurm-wait", "--gpus-per-run", "2", "--", *clip_opts]
+    argv += ["OPTIM.MAX_EPOCH", "2", "TEST.FEATURE_CACHE", "False", "TRAINER.COOP.PREC", "fp32"]
+    proc = subprocess.run(
+        [sys.executable, osp.join(ROOT, "tools", "grid.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 chains: 1 done" in proc.stdout
+    train_dir, test_dir = chain_dirs(out, "sample")
+    for folder in (train_dir, test_dir):
+        log = read(osp.join(folder, logs(folder)[-1]))
+        assert "Data-parallel run: 2 processes (gloo)" in log and "* accuracy:" in log
+        assert "--nproc_per_node 2" in read(osp.join(folder, "console.txt"))
+    with open(osp.join(train_dir, "cost.json")) as f:
+        assert json.load(f)["processes"] == 2

@@ -143,6 +143,7 @@ def run_local(
     per_gpu: int = 1,
     in_process: bool = False,
     workers: int = 1,
+    nproc: int = 1,
 ) -> list:
     """Execute chains with ``per_gpu`` workers per GPU (without GPUs: ``workers`` workers);
     returns the failures.
@@ -172,7 +173,7 @@ def run_local(
                     chain = queue.get_nowait()
                 except Empty:
                     return
-                execute_chain(chain, setup, progress, env, stream, where, runner)
+                execute_chain(chain, setup, progress, env, stream, where, runner, nproc)
         finally:
             if runner is not None:
                 runner.close()
@@ -390,6 +391,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--workers", type=int, default=1, help="workers without --gpus (CPU)")
     run.add_argument(
+        "--gpus-per-run",
+        type=int,
+        default=1,
+        help="processes per run (torchrun; docs/distributed.md): N GPUs of --gpus per run, "
+        "N gloo processes without GPUs, N GPUs per SLURM job",
+    )
+    run.add_argument(
         "--worker-mem-gb",
         type=float,
         default=4.0,
@@ -452,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not setup.data:
             raise GridError("No dataset root: pass --data DIR or set DATA=/path/to/datasets")
+        from experiments.grid_distributed import check_args, gpu_groups
+
+        nproc = check_args(args)  # data-parallel runs (#29)
         todo = [c for c in chains if any(run_status(r) != "done" for r in c.runs)]
         if not args.no_check:
             fetch_weights(todo, setup)  # CLIP weights fetched once, before any run or job starts
@@ -462,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.slurm:
             return run_slurm(todo, setup, args)
         gpus = detect_gpus(args.gpus)
+        if gpus and nproc > 1:
+            gpus = gpu_groups(gpus, nproc)
         if args.per_gpu < 1 or args.workers < 1:
             raise GridError("--per-gpu and --workers must be at least 1")
         if gpus:
@@ -469,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         slots = len(gpus) * args.per_gpu if gpus else args.workers
         stream = not args.quiet and slots == 1
         started = time.perf_counter()
-        failed = run_local(todo, setup, gpus, stream, args.per_gpu, args.in_process, args.workers)
+        failed = run_local(
+            todo, setup, gpus, stream, args.per_gpu, args.in_process, args.workers, nproc
+        )
         report_actual(plan, todo, time.perf_counter() - started)  # the estimate against the actual
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from engine.errors import ConfigError
 from engine.registry import DATASET_REGISTRY
 from engine.utils import epoch_seed
 
+from .distributed import sharded_batches
 from .image_check import ImageReadError, describe, find_unreadable, handle_unreadable
 from .transforms import build_transform
 from .validate import validate_data_cfg
@@ -198,12 +199,15 @@ def build_data_loader(
     seed = cfg.SEED if is_train else -1
     sampler = EpochSampler(len(data_source), shuffle=sampler_type == "RandomSampler", seed=seed)
     num_workers = cfg.DATALOADER.NUM_WORKERS
+    drop_last = is_train and cfg.DATALOADER.TRAIN_X.DROP_LAST and len(data_source) >= batch_size
+    shards = sharded_batches(sampler, batch_size, drop_last, is_train)  # data-parallel (#29)
     loader = DataLoader(
         wrapper,
-        batch_size=batch_size,
-        sampler=sampler,
+        batch_size=batch_size if shards is None else 1,
+        sampler=sampler if shards is None else None,
+        batch_sampler=shards,
         num_workers=num_workers,
-        drop_last=is_train and cfg.DATALOADER.TRAIN_X.DROP_LAST and len(data_source) >= batch_size,
+        drop_last=drop_last if shards is None else False,
         pin_memory=torch.cuda.is_available() and cfg.USE_CUDA,
         persistent_workers=num_workers > 0 and is_train,
     )
@@ -326,7 +330,7 @@ class DataManager:
         if dropped:
             keep = [i for i, d in enumerate(items) if d.impath not in dropped]
             wrapper.data_source = [items[i] for i in keep]
-            loader.sampler.num_items = len(keep)
+            getattr(loader.batch_sampler, "sampler", loader.sampler).num_items = len(keep)
             cache = cache.subset(keep) if cache is not None else None
             self.dataset.drop_images(dropped, ["train_x"])
         wrapper.images = cache
