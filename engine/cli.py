@@ -103,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(finite) checkpoint with the new values",
     )
     parser.add_argument(
+        "--skip-done",
+        action="store_true",
+        help="stop at once (exit 0, nothing written) when the output folder already holds this "
+        "run's result (same experiment), checked once the folder's lock is held; "
+        "tools/grid.py passes it, so two grids on one output never repeat a finished run",
+    )
+    parser.add_argument(
+        "--wait-for-folder",
+        action="store_true",
+        help="when another process holds the output folder, wait until it gives it back "
+        "instead of stopping (with --skip-done: then stop if that run finished this one)",
+    )
+    parser.add_argument(
         "--plugin",
         action="append",
         default=[],
@@ -207,7 +220,7 @@ def main(args) -> int:
     cfg = setup_cfg(args, notes)
     validate_cfg(cfg)  # before the output folder is touched
     folder = RunFolder(cfg.OUTPUT_DIR)
-    folder.acquire()  # one process per folder, for the run's life
+    folder.acquire(wait=getattr(args, "wait_for_folder", False))  # one process per folder
     try:
         return _run_in_folder(args, cfg, folder, notes)
     finally:
@@ -230,6 +243,11 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
         run["LOAD_EPOCH"] = args.load_epoch
     experiment = experiment_config(cfg, run)
     folder.check_experiment(experiment, force=force)  # before config.yaml is rewritten
+    if getattr(args, "skip_done", False) and not moved and folder.same_experiment(experiment):
+        done = folder.result_log(bool(args.eval_only))  # checked under the lock: final
+        if done:
+            print(f"Already done: {folder.path} holds this run's result ({done}); nothing to do")
+            return 0
     if not args.eval_only:
         folder.check_divergence(force=force)
     folder.remove_orphans()
