@@ -294,8 +294,8 @@ def run_local(
     long-lived process running its runs in-process (engine/runner.py); else every run is a
     train.py process.
     """
-    total = sum(run_status(r) != "done" for c in chains for r in c.runs)
-    progress = Progress(total)
+    todo = {r.out_dir for c in chains for r in c.runs if run_status(r) != "done"}
+    progress = Progress(len(todo))
     queue: Queue = Queue()
     for chain in chains:
         queue.put(chain)
@@ -360,6 +360,14 @@ def run_local(
             t.start()
         for t in threads:
             t.join()
+    elsewhere = [
+        r
+        for c in chains
+        for r in c.runs
+        if r.out_dir in todo and r.out_dir not in progress.started_dirs and run_status(r) == "done"
+    ]
+    if elsewhere:
+        print(f"{len(elsewhere)} run(s) finished by another process (a grid beside this one)")
     return progress.failed
 
 

@@ -31,6 +31,7 @@ class Progress:
 
     def __init__(self, total: int):
         self.total, self.started, self.finished, self.failed = total, 0, 0, []
+        self.started_dirs: set[str] = set()  # the folders of the runs this process started
         self.t0 = time.time()
         self.lock = threading.Lock()
 
@@ -46,6 +47,7 @@ class Progress:
         action = "resume" if status == "partial" and run.stage == "train" else "run"
         with self.lock:
             self.started += 1
+            self.started_dirs.add(run.out_dir)
             print(f"[{action} {self.started}/{self.total}{where}] {run.label}", flush=True)
             print(f"  {shlex.join(cmd)}", flush=True)
 
