@@ -85,8 +85,10 @@ def tensorboard_scalars(run: str) -> list[tuple[str, int, float]]:
 
 def assert_same_grids(ref: str, out: str) -> None:
     """Every file of ``out`` equals the uninterrupted grid's ``ref``: checkpoints, scalars and
-    splits bit for bit, configs up to the output root, the same results in the
-    newest logs, the same tensorboard scalars, each step once."""
+    splits bit for bit, configs up to the output root, the same results in the newest logs
+    (read as tools/parse_results.py reads them), the same tensorboard scalars, each step once.
+    Not compared: logs (a resumed run writes log.txt-<time>), what the grid writes beside the
+    runs (console.txt, .lock files) and what cost.json measured or counted (the kills' work)."""
     fa, fb = ({k: v for k, v in files(d).items() if "log.txt" not in k} for d in (ref, out))
     assert sorted(fa) == sorted(fb)
     for rel, path in fa.items():
