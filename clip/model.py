@@ -249,12 +249,18 @@ def build_model(state_dict: dict, design_details: dict | None = None) -> CLIP:
     """
     if design_details is not None:
         trainer = design_details.get("trainer", "?") if isinstance(design_details, dict) else "?"
+        from engine.registry import TRAINER_REGISTRY
+
+        ours = ["MaPLe", "IVLP", "PromptSRC"]
+        if trainer in TRAINER_REGISTRY and trainer not in ours:  # e.g. CoPrompt (MaPLe's blocks)
+            ours.insert(0, trainer)
         raise BackboneError(
             f"clip.build_model(state_dict, design_details) with trainer {trainer!r}: the modified "
             "CLIP of MaPLe/IVLP/PromptSRC's own clip package (deep prompts inside the transformer "
             "blocks) is not part of the clip compatibility layer. Use this project's trainer "
-            "instead (--trainer MaPLe, IVLP or PromptSRC read the same config keys and load "
-            "those code bases' checkpoints), or files that use OpenAI's clip.build_model(sd)"
+            f"instead (--trainer {', '.join(ours[:-1])} or {ours[-1]} read the same config keys "
+            "and load those code bases' checkpoints), or files that use OpenAI's "
+            "clip.build_model(sd)"
         )
     cfg = active_backbone_cfg()
     if cfg is None:

@@ -66,6 +66,9 @@ class Download:
             into the same place in turn.
         provides: what the download creates, relative to the dataset folder (a trailing "/"
             marks a folder); the download is skipped when it is there. Default: ``filename``.
+        by_hand: why the file cannot be fetched (``url`` then names where a person gets it):
+            ``tools/download_data.py`` unpacks it once it is put in the dataset folder, and
+            says exactly which file to put where until then.
     """
 
     url: str
@@ -75,6 +78,7 @@ class Download:
     strip: str = ""
     inner: str = ""
     provides: str = ""
+    by_hand: str = ""
 
     def target(self) -> str:
         """What the download provides, relative to the dataset folder."""
@@ -85,6 +89,9 @@ class Download:
 CLASSNAMES_DOWNLOAD = Download(
     "gdrive:1-61f_ol79pViBFDG_IDlUQSwoLcn2XXF", "classnames.txt", extract_to="../imagenet"
 )
+
+
+GENERATED = "GENERATED.txt"  # in a dataset folder: a generated stand-in (tools/make_toy.py)
 
 
 @dataclass(frozen=True)
@@ -157,9 +164,17 @@ class Layout:
         """The sorted class sub-folders of ``class_dir`` (hidden and ``ignored`` ones left out)."""
         return subfolders(osp.join(self.dir(root), class_dir), self.ignored)
 
+    def generated(self, root: str) -> bool:
+        """Whether the dataset folder is a generated stand-in (it holds :data:`GENERATED`, e.g.
+        ``tools/make_toy.py``'s): its class count is its own, not the real dataset's."""
+        return osp.isfile(osp.join(self.dir(root), GENERATED))
+
     def class_count_problems(self, root: str) -> list[str]:
-        """One line per class folder whose number of classes differs from ``num_classes``."""
+        """One line per class folder whose number of classes differs from ``num_classes`` (none
+        for a generated stand-in)."""
         out = []
+        if self.generated(root):
+            return out
         for class_dir in self.class_dirs:
             if not osp.isdir(osp.join(self.dir(root), class_dir)):
                 continue
@@ -315,6 +330,12 @@ class CoOpDataset(DatasetBase):
         train, val, test = fewshot_and_subsample(self, cfg, train, val, test)
         super().__init__(train_x=train, val=test if self.val_is_test else val, test=test)
 
+    @classmethod
+    def layout_for(cls, cfg) -> Layout:
+        """The layout this reader requires for ``cfg`` (``train.py`` checks it before the
+        run folder is written, :mod:`engine.preflight`)."""
+        return cls.layout
+
     def check_splits(self, cfg, train, val, test) -> None:
         """A reader's own checks of the parsed splits, before the few-shot draw (the built-in
         readers have none: a class with fewer images than DATASET.NUM_SHOTS keeps them all,
@@ -402,6 +423,11 @@ class EvalOnlyDataset(DatasetBase):
 
     layout: Layout
     image_subdir = ""
+
+    @classmethod
+    def layout_for(cls, cfg) -> Layout:
+        """The layout this reader requires (checked before the run folder is written)."""
+        return cls.layout
 
     def __init__(self, cfg):
         root = cfg.DATASET.ROOT

@@ -26,7 +26,7 @@ LAYOUT = Layout(
             "https://www.robots.ox.ac.uk/~vgg/data/dtd/download/dtd-r1.0.1.tar.gz",
             "dtd-r1.0.1.tar.gz",
             extract=True,
-            extract_to="..",
+            strip="dtd/",
             provides="images/",
         ),
         Download("gdrive:1u3_QfB467jqHgNXC00UIzbLZRQCg2S7x", "split_zhou_DescribableTextures.json"),

@@ -250,17 +250,35 @@ def read_classnames(path: str, keys: list[str]) -> list[tuple[str, str]]:
 
 def class_table(dataset_dir: str, keys) -> list[tuple[str, str]]:
     """``[(key, class name)]`` in label order: ``classnames.txt`` if present, else the sorted
-    keys named with underscores as spaces."""
+    keys named with underscores as spaces.
+
+    Raises:
+        DataError: two classes with the same name (CLIP would get the same prompt for both),
+            naming both.
+    """
     keys = sorted_keys(keys)
     path = osp.join(dataset_dir, CLASSNAMES)
     if osp.isfile(path):
-        return read_classnames(path, keys)
-    if all(re.fullmatch(r"-?\d+", k) for k in keys):
+        table = read_classnames(path, keys)
+        where = f"in {path}"
+    elif all(re.fullmatch(r"-?\d+", k) for k in keys):
         raise DataError(
             f"The labels of {dataset_dir} are numbers ({', '.join(keys[:5])}...): CLIP needs "
             f"class names. Add {path} with one '<label> <class name>' line per class"
         )
-    return [(k, default_name(k)) for k in keys]
+    else:
+        table = [(k, default_name(k)) for k in keys]
+        where = f"from the class folders or labels of {dataset_dir} (underscores read as spaces)"
+    seen: dict[str, str] = {}
+    for key, name in table:
+        same = seen.setdefault(" ".join(name.lower().split()), key)
+        if same != key:
+            raise DataError(
+                f"Classes {same!r} and {key!r} have the same name {name!r} {where}: CLIP would "
+                "give both the same prompt. Rename one (its folder or label, or its line in "
+                f"{CLASSNAMES}), or merge them"
+            )
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,14 +289,18 @@ class Folder(CoOpDataset):
     """A dataset from a folder of images or lists (module docstring); ``DATASET.FOLDER``."""
 
     def __init__(self, cfg):
-        folder = cfg.DATASET.FOLDER
-        if not folder:
+        self.layout = self.layout_for(cfg)
+        super().__init__(cfg)
+
+    @classmethod
+    def layout_for(cls, cfg) -> Layout:
+        """The layout of the folder ``DATASET.FOLDER`` (ConfigError when it is empty)."""
+        if not cfg.DATASET.FOLDER:
             raise ConfigError(
                 "DATASET.NAME Folder reads the folder DATASET.FOLDER under DATASET.ROOT, but "
                 "DATASET.FOLDER is empty: pass e.g. DATASET.FOLDER mydata (docs/own-dataset.md)"
             )
-        self.layout = folder_layout(folder)
-        super().__init__(cfg)
+        return folder_layout(cfg.DATASET.FOLDER)
 
     def read_splits(self, cfg):
         """The lists, or the split file (made from the lists or the class folders if absent)."""
@@ -297,6 +319,19 @@ class Folder(CoOpDataset):
             def generate(rng):
                 return self.splits_from_lists(lists, rng)
 
+            splits = read_or_generate_split(cfg, self.split_path, self.dataset_dir, generate)
+            if self.split_matches_lists(splits, lists):
+                return splits
+            for path in candidates(self.split_path):
+                if osp.isfile(path):
+                    logger.warning(
+                        "%s: the lists %s changed since %s was made from them: it is replaced by "
+                        "a new split of the current lists",
+                        self.layout.name,
+                        ", ".join(sorted(lists.values())),
+                        path,
+                    )
+                    os.remove(path)
             return read_or_generate_split(cfg, self.split_path, self.dataset_dir, generate)
         image_dir = osp.join(self.dataset_dir, IMAGES)
         scanned = scan_class_folders(image_dir, self.layout.name) if osp.isdir(image_dir) else None
@@ -308,6 +343,22 @@ class Folder(CoOpDataset):
         if scanned is not None:
             self.warn_if_changed(splits, scanned)
         return splits
+
+    def split_matches_lists(self, splits, lists: dict[str, str]) -> bool:
+        """Whether a split file made from the train/test lists holds what they list now (the
+        train list = its train and val, the test list = its test, same class names)."""
+        try:
+            rows = {s: read_list(p, self.dataset_dir) for s, p in lists.items()}
+            table = dict(class_table(self.dataset_dir, {k for r in rows.values() for _, k in r}))
+        except DataError:
+            return True  # the lists' own error is raised when a new split is made from them
+
+        def items(*parts):
+            return sorted((osp.normpath(d.impath), d.classname) for p in parts for d in p)
+
+        train, val, test = splits
+        want = {s: sorted((p, table[k]) for p, k in r) for s, r in rows.items()}
+        return items(train, val) == want["train"] and items(test) == want["test"]
 
     def splits_from_folders(self, scanned: dict[str, list[str]] | None, rng):
         """CoOp's 50/20/30 split of each class folder."""
@@ -430,6 +481,62 @@ class Folder(CoOpDataset):
 # ----------------------------------------------------------------------------------------------
 # tools/check_data.py
 # ----------------------------------------------------------------------------------------------
+def training_counts(root: str, folder: str) -> tuple[dict[str, int], str]:
+    """``({class name: training images}, where from)`` of the folder dataset ``folder``: from
+    its split file when there is one, from its lists, or for class folders without a split file
+    the share CoOp's split would put in train (``round(n * 50%)``).
+
+    Raises:
+        DataError: what the reader would refuse (unreadable lists, duplicate class names, ...).
+    """
+    layout = folder_layout(folder)
+    dataset_dir = layout.dir(root)
+    lists = list_files(dataset_dir)
+    counts: dict[str, int] = {}
+    if set(lists) != set(SPLITS) and layout.has_split_file(root):
+        with open(osp.join(dataset_dir, layout.split_file), encoding="utf-8") as f:
+            try:
+                train = json.load(f)["train"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{layout.split_file} is not a split file ({e})") from e
+        for item in train:
+            counts[item[2]] = counts.get(item[2], 0) + 1
+        return counts, layout.split_file
+    if lists:
+        rows = read_list(lists["train"], dataset_dir) if "train" in lists else []
+        names = dict(class_table(dataset_dir, {k for _, k in rows}))
+        for _, key in rows:
+            counts[names[key]] = counts.get(names[key], 0) + 1
+        if "val" not in lists:  # 20% of each class of the train list becomes val
+            counts = {c: n - round(n * P_VAL_OF_TRAIN) for c, n in counts.items()}
+        return counts, osp.basename(lists.get("train", ""))
+    scanned = scan_class_folders(osp.join(dataset_dir, IMAGES), layout.name)
+    for key, name in class_table(dataset_dir, scanned):
+        counts[name] = round(len(scanned[key]) * P_TRAIN)
+    return counts, f"{P_TRAIN:.0%} of each class folder (CoOp's split)"
+
+
+def shots_problem(root: str, folder: str, shots: int) -> str | None:
+    """What stops a run of ``shots`` shots on the folder dataset (a class with fewer training
+    images), with the largest shots that would run; None when every class has enough."""
+    if shots < 1:
+        return None
+    counts, source = training_counts(root, folder)
+    short = sorted((n, c) for c, n in counts.items() if n < shots)
+    if not short:
+        return None
+    fewest = short[0][0]
+    which = "every class" if len(short) == len(counts) else f"{len(short)} of {len(counts)} classes"
+    listed = ", ".join(f"{c!r} ({n})" for n, c in short[:5]) + (" ..." if len(short) > 5 else "")
+    lower = f"run with {fewest} shots or fewer (SHOTS={fewest} for the scripts, " + (
+        f"DATASET.NUM_SHOTS {fewest} for train.py)" if fewest >= 1 else "none: add images)"
+    )
+    return (
+        f"too few training images for {shots} shots in {which}: {listed} (training images per "
+        f"class, from {source}); add images, or {lower}"
+    )
+
+
 def inspect_folder(root: str, folder: str, shots: int = 16) -> tuple[list[str], list[str]]:
     """``(problems, notes)`` about the folder dataset ``folder`` under ``root`` for
     ``tools/check_data.py``: what the reader would refuse, and its classes and images."""
@@ -462,12 +569,6 @@ def inspect_folder(root: str, folder: str, shots: int = 16) -> tuple[list[str], 
                     problems.append(
                         f"class(es) {', '.join(small[:5])} have fewer than 4 images: too few "
                         "for the 50/20/30 split"
-                    )
-                low = [f"{c!r} ({n})" for c, n in counts.items() if 4 <= n < 2 * shots]
-                if low:
-                    notes.append(
-                        f"class(es) {', '.join(low[:5])} have fewer than {2 * shots} images: "
-                        f"too few for {shots} training shots after the split"
                     )
         if set(lists) == set(SPLITS):
             notes.append("the lists are the split")

@@ -26,7 +26,7 @@ LAYOUT = Layout(
             "http://data.vision.ee.ethz.ch/cvl/food-101.tar.gz",
             "food-101.tar.gz",
             extract=True,
-            extract_to="..",
+            strip="food-101/",
             provides="images/",
         ),
         Download("gdrive:1QK0tGi096I0Ba6kggatX1ee6dJFIcEJl", "split_zhou_Food101.json"),

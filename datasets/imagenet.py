@@ -56,11 +56,13 @@ LAYOUT = Layout(
     class_dirs=("images/train", "images/val"),
     num_classes=1000,
     how=(
-        "ImageNet (ILSVRC-2012) is distributed by image-net.org to registered users: unpack "
-        "the training archive into DATASET.ROOT/imagenet/images/train/<wnid>/ and the "
-        "validation images into DATASET.ROOT/imagenet/images/val/<wnid>/ (the val archive is "
-        "flat: sort its images into wnid folders, e.g. with the commonly used valprep.sh; "
-        "symbolic links to an existing copy work). " + CLASSNAMES_HOW
+        "ImageNet (ILSVRC-2012) is distributed by image-net.org to registered users: put "
+        "ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar and ILSVRC2012_devkit_t12.tar.gz in "
+        "DATASET.ROOT/imagenet/ and run `python tools/download_data.py --root DATA ImageNet`: "
+        "it checks them and unpacks the images into DATASET.ROOT/imagenet/images/train/<wnid>/ "
+        "and images/val/<wnid>/ (the val archive is flat: it is sorted with the devkit's ground "
+        "truth, as valprep.sh does). Or unpack them there yourself (symbolic links to an "
+        "existing copy work). " + CLASSNAMES_HOW
     ),
     downloads=(CLASSNAMES_DOWNLOAD,),
     manual="the images (image-net.org requires an account and accepting its terms)",

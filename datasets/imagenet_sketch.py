@@ -9,6 +9,7 @@ from .common import (
     CLASSNAMES_DOWNLOAD,
     CLASSNAMES_HOW,
     IMAGENET_CLASSNAMES,
+    Download,
     EvalOnlyDataset,
     Layout,
 )
@@ -26,8 +27,17 @@ LAYOUT = Layout(
         "images/ so that imagenet-sketch/images/<wnid>/*.JPEG exists. classnames.txt is read "
         "from imagenet-sketch/ or else from imagenet/. " + CLASSNAMES_HOW
     ),
-    downloads=(CLASSNAMES_DOWNLOAD,),
-    manual="the images (Google Drive / Kaggle / Hugging Face copies; rename sketch/ to images/)",
+    downloads=(
+        Download(  # the authors' Google Drive file (ImageNet-Sketch.zip, members sketch/<wnid>/)
+            "gdrive:1Mj0i5HBthqH1p_yeXzsg22gZduvgoNeA",
+            "ImageNet-Sketch.zip",
+            extract=True,
+            extract_to="images",
+            strip="sketch/",
+            provides="images/",
+        ),
+        CLASSNAMES_DOWNLOAD,
+    ),
 )
 
 

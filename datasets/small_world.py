@@ -364,6 +364,11 @@ class SmallWorld(CoOpDataset):
     layout = LAYOUT
     image_subdir = "images"
 
+    @classmethod
+    def layout_for(cls, cfg):
+        """None: a missing folder is generated at start-up, not an error."""
+        return None
+
     def __init__(self, cfg):
         if not cfg.DATASET.ROOT:
             raise ValueError(

@@ -19,6 +19,14 @@ from engine.registry import DATASET_REGISTRY
 
 from .common import CoOpDataset, Download, Layout
 
+CARS_BY_HAND = (
+    "the original Stanford host no longer serves Stanford Cars (HTTP 404 since 2023; torchvision "
+    "dropped its download for that reason) and no public copy of the original archives with a "
+    "published checksum is known: take the file from a copy of the original release (e.g. the "
+    "Kaggle copies, which need an account; car_devkit.tgz and cars_test_annos_withlabels.mat "
+    "are also attached to comments of torchvision's GitHub issue #7545)"
+)
+
 LAYOUT = Layout(
     name="StanfordCars",
     folder="stanford_cars",
@@ -40,6 +48,21 @@ LAYOUT = Layout(
         "the devkit and saves it)."
     ),
     downloads=(
+        *(
+            Download(
+                f"https://ai.stanford.edu/~jkrause/car196/{name}",
+                name,
+                extract=name.endswith(".tgz"),
+                provides=provides,
+                by_hand=CARS_BY_HAND,
+            )
+            for name, provides in (
+                ("cars_train.tgz", "cars_train/"),
+                ("cars_test.tgz", "cars_test/"),
+                ("car_devkit.tgz", "devkit/"),
+                ("cars_test_annos_withlabels.mat", ""),
+            )
+        ),
         Download("gdrive:1ObCFbaAgVu0I-k_Au-gIUcefirdAuizT", "split_zhou_StanfordCars.json"),
     ),
     manual="the images and devkit (the original Stanford links are gone)",

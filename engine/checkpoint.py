@@ -430,6 +430,7 @@ class CheckpointMixin:
                     f"Model not found at {path}: check --model-dir and --load-epoch (the "
                     "training run saves model.pth.tar-<MAX_EPOCH>; without --load-epoch "
                     "model-best.pth.tar is loaded)"
+                    + _epochs_found(osp.join(directory, name))
                     + (f"; {directory} holds {there}" if there is not None else "")
                 )
             checkpoint = load_checkpoint(path, map_location=self.device)
@@ -496,3 +497,22 @@ class CheckpointMixin:
 
     def after_load_state(self, name: str) -> None:
         """Hook after weights were loaded (e.g. to drop cached features)."""
+
+
+def _epochs_found(folder: str) -> str:
+    """``; the epochs found there: 50, 100 (--load-epoch N)`` for the numbered checkpoints of a
+    model folder (none: says so)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return ""
+    prefix = "model.pth.tar-"
+    epochs = sorted(int(n[len(prefix) :]) for n in names if n[len(prefix) :].isdigit()
+                    and n.startswith(prefix))  # fmt: skip
+    best = "model-best.pth.tar" in names
+    if not epochs:
+        only = ", only model-best.pth.tar (loaded without --load-epoch)" if best else ""
+        return f"; {folder} holds no numbered checkpoint{only}"
+    shown = ", ".join(map(str, epochs))
+    also = ", and model-best.pth.tar (without --load-epoch)" if best else ""
+    return f"; the epochs found in {folder}: {shown} (--load-epoch N){also}"

@@ -15,6 +15,10 @@ import logging
 import sys
 
 logger = logging.getLogger("train")  # the name of the log lines users grep for
+_MODES = {  # the line every run's log starts with (docs/reproducing.md)
+    "paper": "the method as the paper writes it; the default of every command",
+    "released": "an emulation of the SAMPLe authors' released code, chosen with --repro released",
+}
 
 
 class _ConfigFiles(argparse.Action):
@@ -164,7 +168,13 @@ def setup_cfg(args, notes: list | None = None):
     changed, and one per line returned by the trainer's ``translate_cfg``.
     """
     from .config import ConfigError, get_cfg_default, merge_from_file, merge_from_list
-    from .plugins import env_plugins, load_plugins, plugins_in_files, plugins_in_opts
+    from .plugins import (
+        add_plugin_config,
+        env_plugins,
+        load_plugins,
+        plugins_in_files,
+        plugins_in_opts,
+    )
     from .registry import TRAINER_REGISTRY
     from .repro import apply_reproduction
 
@@ -187,6 +197,9 @@ def setup_cfg(args, notes: list | None = None):
         )
     cfg = get_cfg_default()
     notes = [] if notes is None else notes
+    declared = add_plugin_config(cfg)  # keys of the plugins' repositories (their extend_cfg)
+    if declared:
+        notes.append(f"keys declared by the plugins' extend_cfg: {', '.join(declared)}")
     trainer = TRAINER_REGISTRY.get(args.trainer) if args.trainer in TRAINER_REGISTRY else None
     translate = trainer.translate_key if trainer is not None else None
     if args.dataset_config_file:
@@ -213,18 +226,43 @@ def setup_cfg(args, notes: list | None = None):
 def main(args) -> int:
     """Run train.py's command: take the output folder (lock, experiment check), then train or
     evaluate."""
+    from .preflight import check_run_inputs
     from .run_folder import RunFolder
     from .validate import validate_cfg
 
     notes: list[str] = []
     cfg = setup_cfg(args, notes)
     validate_cfg(cfg)  # before the output folder is touched
+    check_run_inputs(cfg)  # the trainer's name and the dataset's folder, as early
     folder = RunFolder(cfg.OUTPUT_DIR)
     folder.acquire(wait=getattr(args, "wait_for_folder", False))  # one process per folder
     try:
         return _run_in_folder(args, cfg, folder, notes)
     finally:
         folder.release()
+
+
+def _evaluates_in_place(args, cfg) -> bool:
+    """Whether this is ``--eval-only`` with ``--model-dir`` the output folder itself (the
+    neighbours' test scripts do so): the evaluation then writes its log beside the training
+    run's files and changes none of them. ``--overwrite`` would move the model away first, so
+    it is refused."""
+    import os.path as osp
+
+    from .errors import OutputError
+
+    if not (args.eval_only and args.model_dir and cfg.OUTPUT_DIR):
+        return False
+    if osp.realpath(args.model_dir) != osp.realpath(cfg.OUTPUT_DIR):
+        return False
+    if getattr(args, "overwrite", False):
+        raise OutputError(
+            f"--overwrite with --eval-only --model-dir {args.model_dir}, the --output-dir itself: "
+            "it would move the model aside before evaluating it. Drop --overwrite: the "
+            "evaluation writes its own log beside the training run's files and changes none "
+            "of them"
+        )
+    return True
 
 
 def _run_in_folder(args, cfg, folder, notes=()) -> int:
@@ -236,25 +274,36 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
     from .utils import collect_env_info, set_random_seed, setup_logger
 
     force = getattr(args, "force_resume", False)
+    in_place = _evaluates_in_place(args, cfg)  # --eval-only in the folder of its model
     moved = folder.move_aside() if getattr(args, "overwrite", False) else None
     run = {"EVAL_ONLY": bool(args.eval_only)}
     if args.eval_only:
         run["MODEL_DIR"] = osp.abspath(args.model_dir) if args.model_dir else ""
         run["LOAD_EPOCH"] = args.load_epoch
     experiment = experiment_config(cfg, run)
-    folder.check_experiment(experiment, force=force)  # before config.yaml is rewritten
-    if getattr(args, "skip_done", False) and not moved and folder.same_experiment(experiment):
-        done = folder.result_log(bool(args.eval_only))  # checked under the lock: final
-        if done:
-            print(f"Already done: {folder.path} holds this run's result ({done}); nothing to do")
-            return 0
+    if not in_place:  # the folder stays its training run's: nothing to compare or record
+        folder.check_experiment(experiment, force=force)  # before config.yaml is rewritten
+        skip = getattr(args, "skip_done", False) and not moved
+        if skip and folder.same_experiment(experiment):
+            done = folder.result_log(bool(args.eval_only))  # checked under the lock: final
+            if done:
+                print(f"Already done: {folder.path} holds its result ({done}); nothing to do")
+                return 0
     if not args.eval_only:
         folder.check_divergence(force=force)
     folder.remove_orphans()
     kept = folder.set_aside_previous_run() if folder.reclaimed else []
     if cfg.SEED >= 0:
         set_random_seed(cfg.SEED)
-    setup_logger(cfg.OUTPUT_DIR)
+    log_path = setup_logger(cfg.OUTPUT_DIR)
+    if in_place:
+        logger.info(
+            "Evaluating the model of %s in its own folder: this evaluation's log is %s, beside "
+            "the training run's log.txt; its config.yaml and experiment.json stay the training "
+            "run's",
+            folder.path,
+            osp.basename(log_path or ""),
+        )
     if folder.reclaimed:
         logger.info(
             "Output folder %s holds no checkpoint (its earlier run only evaluated, or stopped "
@@ -266,9 +315,11 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
         )
     if moved:
         logger.warning("--overwrite: the previous content of %s is now in %s", folder.path, moved)
+    logger.info("Reproduction mode: %s (%s)", cfg.REPRODUCTION, _MODES.get(cfg.REPRODUCTION, ""))
     for note in notes:  # another code base's keys, mapped by the trainer (translate_key/_cfg)
         logger.info("Config translated for --trainer %s: %s", cfg.TRAINER.NAME, note)
-    dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))
+    if not in_place:
+        dump_cfg(cfg, osp.join(cfg.OUTPUT_DIR, "config.yaml"))
     logger.info("***************\n** Arguments **\n***************")
     for key in sorted(vars(args)):
         logger.info("%s: %s", key, getattr(args, key))
@@ -276,7 +327,8 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
     logger.info("Collecting env info ...\n** System info **\n%s\n", collect_env_info())
 
     trainer = build_trainer(cfg)
-    folder.record_experiment(experiment)  # a config that builds: this folder's experiment
+    if not in_place:
+        folder.record_experiment(experiment)  # a config that builds: this folder's experiment
     if args.eval_only:
         trainer.load_model(args.model_dir, epoch=args.load_epoch)
         trainer.test()
@@ -284,6 +336,14 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
     if not args.no_train:
         trainer.train()
     return 0
+
+
+def _log_to_files(error: BaseException) -> None:
+    """Record ``error`` in the log files of the run (not on stdout: it goes to stderr once)."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (error,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def run(argv=None) -> int:
@@ -299,7 +359,6 @@ def run(argv=None) -> int:
         user = isinstance(e, UserError) or type(e) in (ValueError, FileNotFoundError)
         if not (user or isinstance(e, FloatingPointError)):
             raise
-        if logging.getLogger().handlers:  # the run's log.txt exists: record the error there
-            logger.error("%s", e)
+        _log_to_files(e)  # the run's log.txt, when it exists; the terminal gets it once:
         print(f"Error: {e}", file=sys.stderr)
         return 2 if user else 3

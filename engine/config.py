@@ -105,7 +105,8 @@ _C.DATALOADER.TRAIN_X = CN()
 _C.DATALOADER.TRAIN_X.SAMPLER = "RandomSampler"  # RandomSampler | SequentialSampler
 _C.DATALOADER.TRAIN_X.BATCH_SIZE = 32  # training batch size
 # Dassl's drop_last: drop the last partial batch when the training set is larger than the batch
-# size (set by the protocols of tools/protocols.py for the paper grid). False keeps every sample
+# size (set by the protocols of experiments/protocols.py for the paper grid). False keeps every
+# sample
 _C.DATALOADER.TRAIN_X.DROP_LAST = False
 _C.DATALOADER.TEST = CN()
 _C.DATALOADER.TEST.SAMPLER = "SequentialSampler"  # sampler of val/test loaders
@@ -309,14 +310,19 @@ def _all_keys(cfg: CN, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(cfg: CN, full_key: str, source: str) -> ConfigError:
-    from .neighbour_keys import foreign_key_error
+    from .neighbour_keys import close_key, foreign_key_error, neighbour_layout_error
 
-    foreign = foreign_key_error(full_key, source)
+    foreign = foreign_key_error(full_key, source) or neighbour_layout_error(full_key, source)
     if foreign is not None:
         return foreign
     known = _all_keys(cfg)
-    close = difflib.get_close_matches(full_key, known, n=1, cutoff=0.6)
-    hint = f" (do you mean {close[0]}?)" if close else ""
+    if full_key.startswith("TRAINER."):
+        close = close_key(known, full_key)  # never another trainer's node
+    else:
+        engine_keys = [k for k in known if not k.startswith("TRAINER.")]
+        found = difflib.get_close_matches(full_key, engine_keys, n=1, cutoff=0.6)
+        close = found[0] if found else None
+    hint = f" (do you mean {close}?)" if close else ""
     node = full_key.rsplit(".", 1)[0] if "." in full_key else ""
     if node.startswith("TRAINER.") and node not in known:
         hint += " Trainer keys exist once the trainer is registered; check --trainer."

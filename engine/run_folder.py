@@ -42,7 +42,7 @@ from .utils import atomic_write_text, output_error, remove_orphan_tmp_files
 
 logger = logging.getLogger(__name__)
 
-# a run's result in its log (as tools/parse_results.py reads it)
+# a run's result in its log (as experiments/results.py reads it)
 _ACCURACY_RE = re.compile(r"\* accuracy: ([\.\deE+-]+)%")
 _TRAIN_END_RE = re.compile(r"Finish(?:ed)? training")
 _RESULT_RE = re.compile(r"=> result\b")
@@ -211,7 +211,7 @@ class RunFolder:
         """The newest log of the folder that holds the run's result, or None.
 
         A training run's result is an accuracy after its ``Finish training`` line, an
-        ``--eval-only`` run's one after ``=> result``; the same rule as tools/parse_results.py,
+        ``--eval-only`` run's one after ``=> result``; the same rule as experiments/results.py,
         which the grid reads (``log.txt``, then ``log.txt-<time>``, newest first).
         """
         first = osp.join(self.path, "log.txt")

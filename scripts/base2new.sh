@@ -12,11 +12,14 @@
 #   DATA=/data OPTIM="sgd sample" SEEDS=1 bash scripts/base2new.sh --gpus=auto all
 #   TRAINER=MaPLe bash scripts/base2new.sh --dry-run --commands eurosat
 #   DATA=/data bash scripts/base2new.sh dtd MODEL.BACKBONE.PATH /weights/ViT-B-16.pt
-#   DATA=/data REPRO=released bash scripts/base2new.sh dtd   # the released code's training
+#   DATA=/data REPRO=released bash scripts/base2new.sh dtd   # the released code's emulation
 #   DATA=/data REPORT=report bash scripts/base2new.sh folder:mydata   # + tables, report/index.html
 #
+# Reproduction mode: paper (REPRO=paper, the default of train.py, the demo and every script: the
+#   two train.py commands of the README per seed); REPRO=released emulates the SAMPLe authors'
+#   released code. Each run's log.txt states its mode ("Reproduction mode: ...").
 # Folders: OUTPUT/base2new/{train_base,test_new}/DATASET/shots_SHOTS/TRAINER/CFG[+OPTIM]/seedN
-#   with the default REPRO=released: CFG+OPTIM-released (sgd: CFG+sgd-released)
+#   with REPRO=released: CFG+OPTIM-released (sgd: CFG+sgd-released)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 split_args "$@"
 if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:* \

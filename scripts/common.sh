@@ -4,7 +4,7 @@
 # the runs and their folders, fetches the configured CLIP weights once (downloaded into
 # ~/.cache/clip on first use; SAMPLE_PL_OFFLINE=1: never; docs/weights.md), checks the data,
 # configs and weights, skips finished runs, resumes interrupted ones and then runs train.py. The
-# layout is in tools/protocols.py.
+# layout is in experiments/protocols.py.
 #
 # Environment [default]:
 #   DATA     dataset root, the folder holding dtd/, imagenet/, ... (required unless --dry-run)
@@ -13,10 +13,11 @@
 #   CFG      [the trainer's paper config]  a name in configs/trainers/<TRAINER>/ (one trainer)
 #   SEEDS    [1 2 3]   SHOTS [16]   OUTPUT [output]
 #   TAG      []        folder suffix for runs whose extra options change the experiment
-#   REPRO    [released] reproduction mode: released (the SAMPLe authors' released code
-#                      emulated, judged the likelier to reproduce the published tables; folders
-#                      tagged "released"), paper (the method as the paper writes it; CoOp's
-#                      folders) or "paper released"; docs/reproducing.md
+#   REPRO    [paper]   reproduction mode, the same default as train.py and the demo: paper (the
+#                      method as the paper writes it; CoOp's folders), released (the SAMPLe
+#                      authors' released code emulated, judged the likelier to reproduce the
+#                      published tables; folders tagged "released") or "paper released";
+#                      docs/reproducing.md. Each run's log states its mode
 #   PYTHON   [python]
 #   REPORT   []        after the runs: print the tables (tools/make_tables.py) and write the HTML
 #                      report REPORT/index.html (not with --dry-run; not when a run failed)
@@ -46,7 +47,7 @@ run_grid() {
   if [[ -n "${CFG:-}" ]]; then axes+=(--cfg "$CFG"); fi
   if [[ -n "${TAG:-}" ]]; then axes+=(--tag "$TAG"); fi
   # shellcheck disable=SC2206  # REPRO may name both modes
-  axes+=(--repro ${REPRO:-released})
+  axes+=(--repro ${REPRO:-paper})
   local cmd=("${PYTHON:-python}" "$REPO/tools/grid.py" "${axes[@]}" --data "${DATA:-}")
   cmd+=("$@" ${GRID_FLAGS[@]+"${GRID_FLAGS[@]}"})
   if [[ ${#OPTS[@]} -gt 0 ]]; then cmd+=(-- "${OPTS[@]}"); fi

@@ -9,7 +9,7 @@
 #   DATA=/data TARGETS="dtd eurosat" bash scripts/cross_dataset.sh --gpus=auto
 #   DATA=/data TARGETS=folder:mydata bash scripts/cross_dataset.sh   # your images (DATA/mydata)
 #
-# Folders (REPRO=paper; the default REPRO=released adds "-released" after OPTIM, sgd: "+sgd"):
+# Folders (REPRO=paper, the default; REPRO=released adds "-released" after OPTIM, sgd: "+sgd"):
 #          OUTPUT/imagenet/TRAINER/CFG[+OPTIM]_SHOTSshots/seedN                 (training)
 #          OUTPUT/evaluation/TRAINER/CFG[+OPTIM]_SHOTSshots/TARGET/seedN        (evaluations)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

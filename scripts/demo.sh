@@ -7,8 +7,8 @@
 #   3. CoOp trained on the 32 base classes with SGD, SAM, SAGM and SAMPLe (the paper's CoOp
 #      optimizer configs, configs/optim/CoOp/) and tested on the 32 new classes, through
 #      tools/grid.py (the protocol of scripts/base2new.sh: same folders, same train.py runs);
-#   4. the Base / New / HM table (tools/make_tables.py and tools/parse_results.py), also written
-#      to $DEMO_OUTPUT/table.txt;
+#   4. the Base / New / HM table with the zero-shot row (tools/make_tables.py --zeroshot), also
+#      written to $DEMO_OUTPUT/table.txt; ± is the population standard deviation over seeds;
 #   5. plots of the first seed's runs in $DEMO_OUTPUT/plots: the training-loss landscape around
 #      the learned prompts (tools/loss_landscape.py, the paper's Figure 1) and the per-step
 #      gradient-alignment diagnostics by stage (tools/plot_alignment.py, Figure 2).
@@ -93,25 +93,16 @@ step "3/5 CoOp on the base classes, tested on the new classes (optimizers: $OPTI
   ${OPTS[@]+"${OPTS[@]}"}
 
 step "4/5 Base / New / HM (test accuracy %, mean over seeds $SEEDS)"
-{
-  "$PY" - "$OUT/zeroshot" <<'EOF'
-import sys
-
-from tools.parse_results import read_run
-
-base, new = (read_run(f"{sys.argv[1]}/{half}/seed1").accuracy for half in ("base", "new"))
-print(f"Zero-shot CLIP: Base {base:.2f}  New {new:.2f}  HM {2 * base * new / (base + new):.2f}\n")
-EOF
-  "$PY" tools/make_tables.py "${GRID[@]}" "${MODES[@]}" --std
-} | tee "$OUT/table.txt"
+"$PY" tools/make_tables.py "${GRID[@]}" "${MODES[@]}" --std --zeroshot "$OUT/zeroshot" \
+  | tee "$OUT/table.txt"
 
 step "5/5 plots: loss landscape and gradient alignment (seed ${SEEDS%% *}) in $PLOTS"
-# the train_base run folders of the first seed, one per optimizer (the layout of tools/protocols.py)
+# the train_base run folders of the first seed, one per optimizer (the layout of experiments/protocols.py)
 # shellcheck disable=SC2086  # OPTIMS is a space-separated list
 mapfile -t RUNS < <("$PY" - "$OUT" "$SHOTS" "${SEEDS%% *}" "$EPOCHS" "$CFG" "$REPRO" $OPTIMS <<'PYEOF'
 import sys
 
-from tools.protocols import Setup, base2new_chain
+from experiments.protocols import Setup, base2new_chain
 
 out, shots, seed, epochs, cfg, repro, *optims = sys.argv[1:]
 tag = f"ep{epochs}" if epochs else ""
@@ -123,7 +114,8 @@ PYEOF
 "$PY" tools/loss_landscape.py "${RUNS[@]}" --out-dir "$PLOTS/landscape" --root "$DATA" \
   --points 15 --points-2d 9 --batches 2
 "$PY" tools/plot_alignment.py "${RUNS[@]}" --out "$PLOTS/alignment.png"
-"$PY" tools/make_tables.py "${GRID[@]}" "${MODES[@]}" --std --report "$OUT/report" | tail -n 1
+"$PY" tools/make_tables.py "${GRID[@]}" "${MODES[@]}" --std --zeroshot "$OUT/zeroshot" \
+  --report "$OUT/report" | tail -n 1
 
 echo
 echo "Done in $((SECONDS - T0)) s. Runs, logs and checkpoints: $OUT/base2new, $OUT/zeroshot;" \

@@ -8,7 +8,7 @@
 #
 #   DATA=/data TRAINER=CoOp OPTIM="sgd sample" bash scripts/domain_gen.sh
 #
-# Folders (REPRO=paper; the default REPRO=released adds "-released" after OPTIM, sgd: "+sgd"):
+# Folders (REPRO=paper, the default; REPRO=released adds "-released" after OPTIM, sgd: "+sgd"):
 #          OUTPUT/imagenet/TRAINER/CFG[+OPTIM]_SHOTSshots/seedN                 (training)
 #          OUTPUT/evaluation/TRAINER/CFG[+OPTIM]_SHOTSshots/TARGET/seedN        (evaluations)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

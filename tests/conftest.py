@@ -102,3 +102,24 @@ def make_cfg(opts=(), trainer="CoOp", dataset_cfg="configs/datasets/dtd.yaml", c
     if config_file:
         args += ["--config-file", osp.join(ROOT, config_file)]
     return setup_cfg(build_parser().parse_args(args + list(opts)))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the end: what was not run, grouped by test file and reason (e.g. the SLURM
+    tests without a local cluster, the browser check without Chromium), and the tests that
+    ``-m`` left out."""
+    groups: dict[tuple[str, str], int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ").split("\n")[0]
+        key = (report.nodeid.split("::")[0], reason)
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{path} x{n}: {reason}" for (path, reason), n in sorted(groups.items())]
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if deselected:
+        how = [f"{flag} {value!r}" for flag, value in (
+            ("-m", config.getoption("markexpr")), ("-k", config.getoption("keyword"))
+        ) if value]  # fmt: skip
+        parts.append(f"{deselected} deselected by {' '.join(how) or 'the command line'}")
+    if parts:
+        terminalreporter.write_line("Not run: " + "; ".join(parts))

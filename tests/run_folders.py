@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 import os.path as osp
 
-from tools.paper_results import paper_value
-from tools.protocols import Setup, base2new_dirs, cfg_component
+from experiments.paper_results import paper_value
+from experiments.protocols import Setup, base2new_dirs, cfg_component
 
 ARGS = "***************\n** Arguments **\n***************\nbackbone: \neval_only: {}\nseed: 1\n"
 RESULT = "=> result\n* total: 1,692\n* correct: 1,100\n* accuracy: {}%\n* error: 35.0%\n"

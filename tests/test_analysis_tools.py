@@ -20,6 +20,9 @@ from conftest import ROOT, run_train
 from dataset_trees import make_imagenet
 from PIL import Image
 
+from experiments import grid_plan
+from experiments.protocols import Setup, options_tag
+from experiments.results import read_run
 from tools import grid, loss_landscape, plot_alignment, plot_sweep
 from tools.loss_landscape import (
     filter_normalize,
@@ -29,8 +32,6 @@ from tools.loss_landscape import (
     prepare_batches,
     random_directions,
 )
-from tools.parse_results import read_run
-from tools.protocols import Setup, options_tag
 
 pytestmark = pytest.mark.slow
 
@@ -96,10 +97,10 @@ def _snapshot(folder: str) -> dict[str, bytes]:
 def test_sweep_presets_give_each_value_its_folder(tmp_path):
     assert options_tag(("OPTIM.SAM.RHO", "0.05")) == "rho0.05"
     assert options_tag(("OPTIM.SAM.RHO", "0.1", "OPTIM.SAM.LAMBDA", "0.3")) == "rho0.1_lambda0.3"
-    chains = grid.expand(grid.PRESETS["sweep"], Setup(output=str(tmp_path)))
+    chains = grid_plan.expand(grid_plan.PRESETS["sweep"], Setup(output=str(tmp_path)))
     dirs = [r.out_dir for c in chains for r in c.runs]
-    n_rho = 3 * 4 * len(grid.SWEEP_RHO) * 3  # trainers x optimizers x values x seeds
-    n_lambda = 3 * 2 * len(grid.SWEEP_LAMBDA) * 3
+    n_rho = 3 * 4 * len(grid_plan.SWEEP_RHO) * 3  # trainers x optimizers x values x seeds
+    n_lambda = 3 * 2 * len(grid_plan.SWEEP_LAMBDA) * 3
     assert len(chains) == n_rho + n_lambda and len(set(dirs)) == len(dirs) == 2 * len(chains)
     chain = next(c for c in chains if c.train.variant == ("OPTIM.SAM.LAMBDA", "0.3"))
     assert chain.train.out_dir.endswith(
@@ -114,8 +115,8 @@ def test_sweep_presets_give_each_value_its_folder(tmp_path):
     argv = ["--trainers", "CoOp", "--optims", "sam", "--sweep", "OPTIM.SAM.RHO", "0.1", "0.2"]
     (own,) = grid.grids_from_args(grid.build_parser().parse_args(argv))
     assert own.variants == (("OPTIM.SAM.RHO", "0.1"), ("OPTIM.SAM.RHO", "0.2"))
-    assert plot_sweep.choose_xscale([float(v) for v in grid.SWEEP_RHO]) == "log"
-    assert plot_sweep.choose_xscale([float(v) for v in grid.SWEEP_LAMBDA]) == "linear"
+    assert plot_sweep.choose_xscale([float(v) for v in grid_plan.SWEEP_RHO]) == "log"
+    assert plot_sweep.choose_xscale([float(v) for v in grid_plan.SWEEP_LAMBDA]) == "linear"
     args = grid.build_parser().parse_args(["--preset", "sweep-rho", "--sweep", "OPTIM.LR", "1"])
     with pytest.raises(grid.GridError, match="sweeps other keys"):
         grid.grids_from_args(args)
@@ -159,7 +160,7 @@ def test_alignment_plot_of_sgd_and_sample_runs(runs, tmp_path):
     _assert_png(png, 20000)
     with open(tmp_path / "alignment.json") as f:
         summary = json.load(f)
-    sample, sgd = summary["CoOp+sample"], summary["CoOp+sgd"]
+    sample, sgd = summary["CoOp+SAMPLe"], summary["CoOp"]
     assert set(sgd) == {"loss"}  # SGD logs no diagnostics
     assert set(sample) == set(metrics)
     stages = sample["cos_g_gp"]
@@ -258,7 +259,7 @@ def test_loss_landscape_command(runs, tmp_path, capsys):
         assert _snapshot(runs[k]) == before[k]
     with open(osp.join(out, "landscape.json")) as f:
         result = json.load(f)
-    assert [r["label"] for r in result["runs"]] == ["CoOp+sgd", "CoOp+sample"]
+    assert [r["label"] for r in result["runs"]] == ["CoOp", "CoOp+SAMPLe"]
     assert loss_landscape.plot_scale(result["runs"], "loss_1d", raw=False) == max(
         abs(v) for r in result["runs"] for v in r["loss_1d"]
     )

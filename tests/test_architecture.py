@@ -19,7 +19,8 @@ from engine.trainer import ModelOutput, TrainerX
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 # optim at the bottom, the engine above it, trainers and datasets above the engine (and not
-# importing each other), tools and train.py on top. The compatibility layers for other code
+# importing each other), the experiment library (experiments/) above them, and the commands
+# (tools/, train.py) on top. The compatibility layers for other code
 # bases' files, dassl (Dassl's import paths) and clip (OpenAI's clip package), sit beside the
 # trainers: they use the engine and optim only, and nothing of the project imports them.
 LAYERS = {
@@ -29,8 +30,9 @@ LAYERS = {
     "datasets": 2,
     "dassl": 2,
     "clip": 2,
-    "tools": 3,
-    "train": 3,
+    "experiments": 3,
+    "tools": 4,
+    "train": 4,
 }
 
 
@@ -71,9 +73,10 @@ def test_import_graph_is_one_way():
 @pytest.mark.parametrize(
     "module,forbidden",
     [
-        ("optim", ("engine", "trainers", "datasets", "tools", "dassl", "clip")),
+        ("optim", ("engine", "trainers", "datasets", "experiments", "tools", "dassl", "clip")),
         ("engine", ("trainers", "datasets", "dassl", "clip")),
-        ("dassl.engine", ("trainers", "datasets", "clip", "tools")),
+        ("dassl.engine", ("trainers", "datasets", "clip", "experiments", "tools")),
+        ("experiments", ("tools", "train")),
     ],
 )
 @pytest.mark.slow
@@ -99,18 +102,20 @@ def test_tools_do_not_repeat_the_sys_path_prologue():
     assert not offenders
 
 
-def _tool_imports(path: str) -> set[str]:
-    """The ``tools`` modules a tool imports (``from tools.x import``, ``from tools import x``),
-    lazy imports included."""
+def _tool_imports(path: str, package: str = "tools") -> set[str]:
+    """The ``package`` modules a file imports (``from <package>.x import``, ``from <package>
+    import x``), lazy imports included."""
     found = set()
     for node in ast.walk(ast.parse(open(path).read(), path)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("tools."):
+            if node.module.startswith(package + "."):
                 found.add(node.module.split(".")[1])
-            elif node.module == "tools":
+            elif node.module == package:
                 found.update(a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("tools."))
+            found.update(
+                a.name.split(".")[1] for a in node.names if a.name.startswith(package + ".")
+            )
     return found
 
 
@@ -134,13 +139,37 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
-def test_tools_import_each_other_without_a_cycle():
-    folder = osp.join(ROOT, "tools")
-    files = [f for f in os.listdir(folder) if f.endswith(".py")]
-    graph = {f[:-3]: _tool_imports(osp.join(folder, f)) for f in files}
-    assert _cycle(graph) == [], f"import cycle among tools: {' -> '.join(_cycle(graph))}"
-    assert "report" not in graph["tables_model"] and "make_tables" not in graph["report"]
+@pytest.mark.parametrize("package", ["tools", "experiments"])
+def test_modules_import_each_other_without_a_cycle(package):
+    folder = osp.join(ROOT, package)
+    files = [f for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py"]
+    graph = {f[:-3]: _tool_imports(osp.join(folder, f), package) for f in files}
+    assert _cycle(graph) == [], f"import cycle in {package}/: {' -> '.join(_cycle(graph))}"
+    if package == "experiments":
+        assert "report" not in graph["tables_model"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check
+
+
+def test_tools_holds_commands_only():
+    """Every module of ``tools/`` is a command (``python tools/<name>.py``); what other modules
+    import lives in the experiment library, ``experiments/``."""
+    folder = osp.join(ROOT, "tools")
+    not_commands = [
+        f
+        for f in sorted(os.listdir(folder))
+        if f.endswith(".py")
+        and f != "_repo.py"
+        and '__name__ == "__main__"' not in open(osp.join(folder, f)).read()
+    ]
+    assert not not_commands, (
+        f"library modules in tools/ (move them to experiments/): {not_commands}"
+    )
+    imported = set()
+    for base, _, files in os.walk(osp.join(ROOT, "experiments")):
+        imported |= {
+            m for f in files if f.endswith(".py") for m in _tool_imports(osp.join(base, f))
+        }
+    assert not imported, f"experiments/ imports the commands {sorted(imported)}"
 
 
 # -- models without datasets -------------------------------------------------------------------

@@ -439,5 +439,5 @@ def test_download_tool_lists_and_unpacks_without_network(tmp_path, capsys, monke
         download_data.extract(evil, str(tmp_path / "out"))
 
     monkeypatch.setitem(sys.modules, "gdown", None)  # gdown not installed
-    with pytest.raises(download_data.DownloadError, match="pip install gdown"):
+    with pytest.raises(download_data.DownloadError, match="gdown is not installed"):
         download_data.fetch_gdrive("abc", str(tmp_path / "split.json"))

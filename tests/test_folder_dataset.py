@@ -18,9 +18,10 @@ from datasets.folder import inspect_folder
 from datasets.synthetic import FOLDER_FORMATS, make_folder_dataset, make_image_folder
 from engine.data import build_dataset
 from engine.errors import ConfigError, DataError
-from tools import check_data, grid, make_tables, protocols
-from tools.parse_results import read_run
-from tools.protocols import ProtocolError, Setup
+from experiments import grid_plan, protocols
+from experiments.protocols import ProtocolError, Setup
+from experiments.results import read_run
+from tools import check_data, grid, make_tables
 
 FOLDER_CFG = "configs/datasets/folder.yaml"
 NAMES = ["great white shark", "red panda", "tabby cat", "tree frog"]  # red_panda: "_" -> " "
@@ -263,12 +264,20 @@ def test_check_data_on_folder_datasets(tmp_path, capsys):
     root = str(tmp_path)
     make_folder_dataset(root, per_class=8)
     make_folder_dataset(root, classes=["few"], per_class=3, folder="short")
-    assert check_data.main(["--root", root, "folder:mydata"]) == 0
+    # 8 images per class: about 4 training images after CoOp's split, too few for 16 shots
+    assert check_data.main(["--root", root, "folder:mydata"]) == 1
+    out = capsys.readouterr().out
+    assert "too small" in out and "0 of 1 ready" in out and " ready " not in out
+    status, details = check_data.check_dataset(root, "folder:mydata")
+    assert status == "too small"
+    assert "too few training images for 16 shots in every class" in details[0]
+    assert "run with 4 shots or fewer (SHOTS=4 for the scripts" in details[0]
+    assert check_data.main(["--root", root, "--shots", "4", "folder:mydata"]) == 0
     out = capsys.readouterr().out
     assert "folder:mydata" in out and "ready" in out and "4 classes, 32 images" in out
     assert "no split_zhou_mydata.json yet" in out and "1 of 1 ready" in out
     problems, notes = inspect_folder(root, "mydata")
-    assert not problems and any("fewer than 32 images" in n for n in notes)
+    assert not problems
     assert check_data.main(["--root", root, "folder:short", "folder:absent"]) == 1
     out = capsys.readouterr().out
     assert "partial" in out and "'few' (3) have fewer than 4 images" in out
@@ -278,12 +287,66 @@ def test_check_data_on_folder_datasets(tmp_path, capsys):
     assert "check it as folder:<that folder>" in capsys.readouterr().err
 
 
+def test_the_dry_run_warns_when_the_classes_are_too_small_for_the_shots(tmp_path, capsys):
+    root = str(tmp_path / "data")
+    make_folder_dataset(root, per_class=8)
+    argv = ["--trainers", "CoOp", "--optims", "sgd", "--datasets", "folder:mydata", "--seeds", "1"]
+    argv += ["--data", root, "--output", str(tmp_path / "out"), "--dry-run"]
+    assert grid.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "2 to run" in out
+    assert "warning: folder:mydata: too few training images for 16 shots in every class" in out
+    assert grid.main([*argv, "--shots", "4"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_corrected_list_replaces_the_split_made_from_the_old_one(tmp_path, caplog):
+    root = str(tmp_path)
+    data = make_folder_dataset(root, folder="listed", per_class=10)
+    rows = {"train": [], "test": []}
+    for c in sorted(os.listdir(osp.join(data, "images"))):
+        files = sorted(f for f in os.listdir(osp.join(data, "images", c)) if f != "more")
+        rows["train"] += [(f"images/{c}/{f}", c) for f in files[:4]]
+        rows["test"] += [(f"images/{c}/{f}", c) for f in files[4:]]
+    good = list(rows["test"])
+    rows["test"][0] = ("images/red_panda/typo.jpg", rows["test"][0][1])  # a missing file
+    _write_lists(data, rows, "csv")
+    with pytest.raises(DataError, match="typo.jpg"):
+        build_dataset(folder_cfg(root, folder="listed"))
+    split = osp.join(data, "split_zhou_listed.json")
+    assert osp.isfile(split)  # made from the broken lists
+    rows["test"] = good
+    _write_lists(data, rows, "csv")
+    ds = build_dataset(folder_cfg(root, folder="listed"))  # the corrected lists are used
+    assert len(ds.test) == len(good) and not any("typo" in d.impath for d in ds.test)
+    assert "changed since" in caplog.text and split in caplog.text
+    with open(split) as f:
+        assert "typo.jpg" not in f.read()
+
+
+@pytest.mark.parametrize("how", ["folders", "classnames"])
+def test_two_classes_with_one_name_are_refused_naming_both(tmp_path, capsys, how):
+    root = str(tmp_path)
+    if how == "folders":  # "red_panda" reads as "red panda"
+        data = make_folder_dataset(root, classes=["red_panda", "red panda", "cat"], per_class=8)
+        match = r"Classes 'red panda' and 'red_panda' have the same name 'red panda'"
+    else:
+        data = make_folder_dataset(root, classes=["a", "b", "c"], per_class=8)
+        with open(osp.join(data, "classnames.txt"), "w") as f:
+            f.write("a\tcat\nb\tdog\nc\tCat\n")
+        match = r"Classes 'a' and 'c' have the same name 'Cat' in .*classnames.txt"
+    with pytest.raises(DataError, match=match):
+        build_dataset(folder_cfg(root))
+    assert check_data.main(["--root", root, "--shots", "2", "folder:mydata"]) == 1
+    assert "the same name" in capsys.readouterr().out
+
+
 def test_grid_names_folder_datasets(tmp_path):
     setup = Setup(data="DATA", output=str(tmp_path), shots=4, plugins=("/abs/reader.py",))
-    grids = grid.select(None, trainers=["CoOp"], optims=["sgd"], seeds=[1],
+    grids = grid_plan.select(None, trainers=["CoOp"], optims=["sgd"], seeds=[1],
                         protocols=["base2new", "cross_dataset"], datasets=["folder:birds"],
                         xd_targets=["folder:birds"])  # fmt: skip
-    b2n, xd = grid.expand(grids, setup)
+    b2n, xd = grid_plan.expand(grids, setup)
     train, test = b2n.runs
     assert train.out_dir == str(
         tmp_path / "base2new/train_base/birds/shots_4/CoOp/vit_b16_ctxv1/seed1"
@@ -298,7 +361,7 @@ def test_grid_names_folder_datasets(tmp_path):
     assert "DATASET.FOLDER" not in " ".join(xd.train.command(setup))  # ImageNet training
     for bad, msg in (("folder:dtd", "built-in dataset's name"), ("folder:a b", "letters, digits")):
         with pytest.raises(ProtocolError, match=msg):
-            grid.expand(grid.select(None, trainers=["CoOp"], datasets=[bad]), setup)
+            grid_plan.expand(grid_plan.select(None, trainers=["CoOp"], datasets=[bad]), setup)
     args = grid.build_parser().parse_args(
         ["--trainers", "CoOp", "--plugin", "r.py", "--plugin", "m.x"]
     )
@@ -308,8 +371,8 @@ def test_grid_names_folder_datasets(tmp_path):
     own = tmp_path / "cfgs" / "my_animals.yaml"
     own.parent.mkdir()
     own.write_text("DATASET:\n  NAME: MyAnimals\n")
-    grids = grid.select(None, trainers=["CoOp"], datasets=[str(own)], seeds=[1])
-    (chain,) = grid.expand(grids, setup)
+    grids = grid_plan.select(None, trainers=["CoOp"], datasets=[str(own)], seeds=[1])
+    (chain,) = grid_plan.expand(grids, setup)
     cmd = chain.train.command(setup)
     assert cmd[cmd.index("--dataset-config-file") + 1] == str(own)
     assert "/train_base/my_animals/shots_4/" in chain.train.out_dir
@@ -390,6 +453,7 @@ def test_the_grid_checks_folder_datasets_with_its_plugins(monkeypatch):
         "--root",
         "DATA",
         "--plugin=/abs/r.py",
+        "--shots=16",
         "folder:birds",
         "DescribableTextures",
     ]

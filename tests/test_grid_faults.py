@@ -26,9 +26,10 @@ from engine.faults import KILL_AT_ENV, parse_kill_at
 from engine.run_folder import RunFolder, lock_holder
 from engine.trainer import _scalar_row_before
 from engine.writers import ScalarWriter
+from experiments.grid_exec import ChainClaim
+from experiments.grid_plan import expand
+from experiments.results import read_run
 from tools import grid
-from tools.grid_exec import ChainClaim
-from tools.parse_results import read_run
 
 EPOCHS = 2
 
@@ -86,7 +87,7 @@ def tensorboard_scalars(run: str) -> list[tuple[str, int, float]]:
 def assert_same_grids(ref: str, out: str) -> None:
     """Every file of ``out`` equals the uninterrupted grid's ``ref``: checkpoints, scalars and
     splits bit for bit, configs up to the output root, the same results in the newest logs
-    (read as tools/parse_results.py reads them), the same tensorboard scalars, each step once.
+    (read as experiments/results.py reads them), the same tensorboard scalars, each step once.
     Not compared: logs (a resumed run writes log.txt-<time>), what the grid writes beside the
     runs (console.txt, .lock files) and what cost.json measured or counted (the kills' work)."""
     fa, fb = ({k: v for k, v in files(d).items() if "log.txt" not in k} for d in (ref, out))
@@ -196,7 +197,7 @@ def test_skip_done_stops_at_a_finished_run_under_its_lock(toy, tiny_clip_opts, c
     argv, opts = grid.split_opts(toy_argv(data, ref, tiny_clip_opts))
     args = grid.build_parser().parse_args(argv)
     setup = grid.setup_from_args(args, opts)
-    chain = grid.expand(grid.grids_from_args(args), setup)[0]
+    chain = expand(grid.grids_from_args(args), setup)[0]
     finished = chain.train.out_dir
     args = chain.train.command(setup)[2:]  # [python, train.py, args...]
     before = sorted(os.listdir(finished)), open(osp.join(finished, "scalars.jsonl")).read()
@@ -252,7 +253,7 @@ def test_lock_holder_and_waiting_for_a_folder(tmp_path):
 
 
 def test_a_chain_claim_is_held_by_one_grid(tmp_path):
-    chain = grid.expand(
+    chain = expand(
         grid.select(None, trainers=["CoOp"], datasets=["dtd"], seeds=[1]),
         grid.Setup(output=str(tmp_path)),
     )[0]

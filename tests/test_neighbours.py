@@ -344,7 +344,7 @@ def test_keys_of_trainers_not_here_name_their_trainer(tmp_path):
     with pytest.raises(ConfigError) as info:  # KgCoOp's ProGrad configs
         make_cfg([], trainer="KgCoOp", config_file=str(tmp_path / "prograd.yaml"))
     msg = str(info.value)
-    assert "'LOSS.NAME'" in msg and "belongs to ProGrad" in msg and "htyao89/KgCoOp" in msg
+    assert "'LOSS.NAME'" in msg and "belongs to ProGrad" in msg and "BeierZhu/Prompt-align" in msg
     assert "--trainer KgCoOp or CoOp" in msg
     with pytest.raises(ConfigError, match=r"TRAINER.VPT.N_CTX_VISION.*belongs to VPT"):
         make_cfg(["TRAINER.VPT.N_CTX_VISION", "8"], trainer="IVLP")

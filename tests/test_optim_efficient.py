@@ -511,11 +511,12 @@ def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
 
 
 def test_grid_runs_every_efficient_optimizer(tmp_path):
+    from experiments import grid_plan
+    from experiments.protocols import Setup
     from tools import grid
-    from tools.protocols import Setup
 
-    grids = grid.select("efficient-base2new", trainers=["CoOp"], datasets=["dtd"], seeds=[1])
-    chains = grid.expand(grids, Setup(output=str(tmp_path)))
+    grids = grid_plan.select("efficient-base2new", trainers=["CoOp"], datasets=["dtd"], seeds=[1])
+    chains = grid_plan.expand(grids, Setup(output=str(tmp_path)))
     files = {c.train.optim_file for c in chains}
     for name in [*NAMES, "sample_k5"]:
         assert f"configs/optim/CoOp/{name}.yaml" in files

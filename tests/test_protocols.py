@@ -13,10 +13,9 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from tools import grid, make_tables, protocols
-from tools.grid import GridError, expand, run_local, select, submit_slurm
-from tools.parse_results import read_run
-from tools.protocols import (
+from experiments import grid_plan, protocols
+from experiments.grid_plan import expand, select
+from experiments.protocols import (
     ProtocolError,
     Setup,
     cfg_component,
@@ -25,6 +24,9 @@ from tools.protocols import (
     split_cfg_component,
     trainer_config_files,
 )
+from experiments.results import read_run
+from tools import grid, make_tables
+from tools.grid import GridError, run_local, submit_slurm
 
 # A stand-in for `python train.py ...`: writes what train.py writes that the grid reads (a log
 # with a result, config.yaml and a checkpoint) and records its GPU and arguments.
@@ -68,8 +70,10 @@ def _chains(setup, **axes):
 # -- layout and expansion -----------------------------------------------------------------------
 def test_paper_grid_dry_run(tmp_path, capsys):
     out = str(tmp_path / "output")
-    # the paper's grids run the released code's emulation by default (docs/reproducing.md)
-    assert grid.main(["--preset", "paper", "--dry-run", "--output", out]) == 0
+    # the paper's grids run the paper mode by default, as every command; released is named
+    assert (
+        grid.main(["--preset", "paper", "--dry-run", "--output", out, "--repro", "released"]) == 0
+    )
     text = capsys.readouterr().out
     assert "2100 runs in 855 chains" in text
     b2n = f"{out}/base2new/train_base/dtd/shots_16/CoOp"
@@ -78,7 +82,7 @@ def test_paper_grid_dry_run(tmp_path, capsys):
         f"{b2n}/vit_b16_ctxv1+sample-released/seed3",
     ):
         assert f"\n{'':>16}{folder}\n" in text, folder
-    assert grid.main(["--preset", "paper", "--dry-run", "--output", out, "--repro", "paper"]) == 0
+    assert grid.main(["--preset", "paper", "--dry-run", "--output", out]) == 0
     text = capsys.readouterr().out
     assert "2100 runs in 855 chains: 0 done (skipped), 0 to resume or re-run, 2100 to run" in text
     b2n = f"{out}/base2new/train_base/dtd/shots_16/CoOp"
@@ -92,7 +96,7 @@ def test_paper_grid_dry_run(tmp_path, capsys):
         f"{out}/evaluation/CoOp/vit_b16_ep50_ctxv1_16shots/imagenet_r/seed3",
     ):
         assert f"\n{'':>16}{folder}\n" in text, folder
-    chains = expand(grid.PRESETS["paper"], Setup(output=out))
+    chains = expand(grid_plan.PRESETS["paper"], Setup(output=out))
     dirs = [r.out_dir for c in chains for r in c.runs]
     assert len(dirs) == len(set(dirs)) == 2100  # optimizers never share a folder
     for chain in chains:
@@ -103,7 +107,7 @@ def test_paper_grid_dry_run(tmp_path, capsys):
 def test_transfer_protocols_share_the_imagenet_training():
     setup = Setup(output="o")
     both = _chains(
-        setup, trainers=["MaPLe"], optims=["sample"], seeds=[1], protocols=grid._TRANSFER
+        setup, trainers=["MaPLe"], optims=["sample"], seeds=[1], protocols=grid_plan._TRANSFER
     )
     assert len(both) == 1 and len(both[0].evals) == 14
     dg = _chains(setup, trainers=["MaPLe"], optims=["sample"], seeds=[1], protocols=["domain_gen"])
@@ -329,7 +333,7 @@ def test_slurm_submission_through_submitit(tmp_path, fake_python, monkeypatch, c
 
 
 def test_slurm_status_gpus_and_a_refused_submission(tmp_path, fake_python, monkeypatch, capsys):
-    from tools import grid_slurm
+    from experiments import grid_slurm
 
     class Executor:
         refuse = False
@@ -384,7 +388,7 @@ def test_slurm_status_gpus_and_a_refused_submission(tmp_path, fake_python, monke
 
 
 def test_slurm_wait_reports_requeues_and_each_chains_end(tmp_path, monkeypatch, capsys):
-    from tools import grid_slurm
+    from experiments import grid_slurm
 
     records = []
     for i in range(3):
@@ -442,7 +446,7 @@ def _tiny(tiny_clip_opts):
 def test_base2new_script_end_to_end(tmp_path, dtd_root, tiny_clip_opts):
     out = tmp_path / "output"
     env = {"DATA": dtd_root, "OUTPUT": str(out), "OPTIM": "sgd sample", "SEEDS": "1", "SHOTS": "4"}
-    env["REPRO"] = "paper"  # CoOp's folders (the scripts' default is released)
+    env["REPRO"] = "paper"  # CoOp's folders (also the scripts' default)
     args = ["--quiet", "--no-data-check", "dtd", *_tiny(tiny_clip_opts)]
     proc = _script("base2new.sh", args, env)
     assert "4 runs in 2 chains: 0 done (skipped), 0 to resume or re-run, 4 to run" in proc.stdout
@@ -513,7 +517,7 @@ def test_transfer_scripts_end_to_end(tmp_path, tiny_clip_opts):
     env = {"DATA": str(data), "OUTPUT": str(out), "OPTIM": "sgd", "SEEDS": "1", "SHOTS": "2"}
     args = ["--quiet", "--no-check", *_tiny(tiny_clip_opts)]  # checks: see the tests above
     _script("cross_dataset.sh", args, dict(env, TARGETS="dtd"))
-    comp = "vit_b16_ep50_ctxv1+sgd-released_2shots"  # the scripts' default mode: released
+    comp = "vit_b16_ep50_ctxv1_2shots"  # the scripts' default mode: paper (CoOp's folder)
     train = out / "imagenet" / "CoOp" / comp / "seed1"
     dtd = out / "evaluation" / "CoOp" / comp / "dtd" / "seed1"
     result = read_run(str(train))
@@ -521,7 +525,7 @@ def test_transfer_scripts_end_to_end(tmp_path, tiny_clip_opts):
     # domain generalization evaluates the same ImageNet model: its training is skipped
     proc = _script("domain_gen.sh", args, dict(env, TARGETS="imagenet_sketch"))
     assert "2 runs in 1 chains: 1 done (skipped), 0 to resume or re-run, 1 to run" in proc.stdout
-    assert "[run 1/1] CoOp [released] domain_gen eval imagenet_sketch seed1" in proc.stdout
+    assert "[run 1/1] CoOp domain_gen eval imagenet_sketch seed1" in proc.stdout
     sketch = dtd.parent.parent / "imagenet_sketch" / "seed1"
     assert read_run(str(sketch)).status == "done"
     argv = ["--output", str(out), "--shots", "2", "--trainers", "CoOp", "--optims", "sgd"]

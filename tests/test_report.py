@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import math
 import os
@@ -15,8 +16,8 @@ import urllib.parse
 import pytest
 from run_folders import eval_log, fake_base2new, train_log, write_run
 
+from experiments.protocols import Setup, cfg_component, transfer_dirs
 from tools import make_tables
-from tools.protocols import Setup, cfg_component, transfer_dirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T_975_2 = 4.302652729749462  # Student t quantile 0.975, 2 degrees of freedom
@@ -174,7 +175,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 
 def test_grid_accepts_any_seed_list():
-    from tools.grid import GridError, select
+    from experiments.grid_plan import select
+    from tools.grid import GridError
 
     (grid,) = select(None, trainers=["CoOp"], seeds=[0, 7, 42, 7, 1000])
     assert grid.seeds == (0, 7, 42, 1000)
@@ -183,3 +185,68 @@ def test_grid_accepts_any_seed_list():
     assert [g.seeds for g in paper] == [(1, 2, 3, 4, 5)] * 2
     with pytest.raises(GridError, match="seeds must be >= 0"):
         select(None, trainers=["CoOp"], seeds=[-1])
+
+
+def _html_tables(page: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """``(caption, headers, rows)`` of every ``<table>`` of a report page."""
+    out = []
+    for m in re.finditer(r"<table>(.*?)</table>", page, re.S):
+        body = m.group(1)
+        cap = re.search(r"<caption>(.*?)</caption>", body)
+        heads = re.findall(r"<th>(.*?)</th>", body)
+        rows = [re.findall(r"<td[^>]*>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", body)]
+        out.append((cap.group(1) if cap else "", heads, [r for r in rows if r]))
+    return out
+
+
+def test_report_holds_the_zero_shot_row_and_only_what_it_shows(tmp_path):
+    from run_folders import eval_log, write_run
+
+    from experiments.report import bar_figure
+
+    out = str(tmp_path / "output")
+    setup = Setup(output=out)
+    for optim, gain in (("sgd", 0.0), ("sample", 0.6)):  # SmallWorld: no published numbers
+        fake_base2new(
+            setup,
+            "CoOp",
+            optim,
+            "small_world",
+            (1, 2, 3),
+            accuracy=lambda m, s, g=gain: {"base": 88.0, "new": 64.0}[m] + g + 0.1 * s,
+        )
+    zeroshot = tmp_path / "zeroshot"
+    for half, acc in (("base", 75.3), ("new", 67.5)):
+        write_run(str(zeroshot / half / "seed1"), eval_log(acc))
+    report = tmp_path / "report"
+    grid = ["--output", out, "--trainers", "CoOp", "--optims", "sgd", "sample"]
+    grid += ["--datasets", "small_world", "--protocols", "base2new", "--std"]
+    assert make_tables.main([*grid, "--zeroshot", str(zeroshot), "--report", str(report)]) == 0
+    page = (report / "index.html").read_text()
+    tables = _html_tables(page)
+    captions = [c for c, _, _ in tables if c]
+    assert len(captions) == len(set(captions)), captions  # each table once
+    (b2n,) = [t for t in tables if t[0].startswith("Base-to-new: small_world (")]
+    assert b2n[1] == ["Method", "Base", "New", "HM"]  # no paper columns without paper numbers
+    zs = [r for r in b2n[2] if r[0] == "Zero-shot CLIP"]
+    assert zs == [["Zero-shot CLIP", "75.30", "67.50", "71.19"]]  # one seed: no ±
+    assert b2n[2][1][0] == "CoOp" and "±" in b2n[2][1][1]
+    for caption, heads, rows in tables:  # no column of a table is empty throughout
+        for i, head in enumerate(heads):
+            assert any(r[i] not in ("-", "") for r in rows if len(r) > i), (caption, head)
+    legend = html.unescape(re.search(r'<div class="legend">(.*?)</div>', page, re.S).group(1))
+    assert "diamond" not in legend and "paper" not in legend  # nothing of the paper drawn
+    assert "Wilcoxon" not in legend  # no average rows on this page
+    assert "±: the standard deviation of the seeds' values (population" in legend
+    assert "y-axis starts at 0" in legend
+    # the differences table once: in its section, not again under the tables
+    assert page.count("<caption>Base-to-new: small_world: paired differences") == 1
+    # the bar chart's axis starts at zero
+    results = make_tables.build(
+        make_tables.build_parser().parse_args([*grid, "--zeroshot", str(zeroshot)])
+    )
+    groups = [("Base", "small_world", "base"), ("New", "small_world", "new")]
+    fig, paper = bar_figure(results, "base2new", results.rows, groups, "t")
+    assert fig.axes[0].get_ylim()[0] == 0 and not paper
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["Zero-shot CLIP", "CoOp", "CoOp+SAMPLe"]

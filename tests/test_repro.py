@@ -14,12 +14,12 @@ from conftest import ROOT, make_cfg
 
 from engine import build_trainer
 from engine.errors import ConfigError
+from experiments.paper_results import paper_value, row_title, split_mode, with_mode
+from experiments.protocols import Setup, base2new_chain, load_epoch, repro_of, split_cfg_component
 from optim import build_lr_scheduler
 from optim.errors import OptimConfigError
 from optim.staging import Staging, total_epochs
 from tools import make_tables
-from tools.paper_results import paper_value, row_title, split_mode, with_mode
-from tools.protocols import Setup, base2new_chain, load_epoch, repro_of, split_cfg_component
 
 COOP_SAMPLE = osp.join(ROOT, "configs/optim/CoOp/sample.yaml")
 MAPLE_SAMPLE = osp.join(ROOT, "configs/optim/MaPLe/sample.yaml")
@@ -299,7 +299,7 @@ def test_zeroshotclip2_uses_coops_seven_templates_for_imagenet():
 
 
 def test_the_papers_inconsistent_averages_are_pinned():
-    from tools.paper_results import AVERAGE_INCONSISTENCIES, average_conventions
+    from experiments.paper_results import AVERAGE_INCONSISTENCIES, average_conventions
 
     assert len(AVERAGE_INCONSISTENCIES) == 5
     for trainer, optim, metric, printed, mean, hm in AVERAGE_INCONSISTENCIES:

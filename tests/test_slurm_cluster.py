@@ -14,8 +14,8 @@ import time
 import pytest
 from conftest import ROOT
 
+from experiments.grid_slurm import JOBS_FILE
 from tools import grid, make_tables, slurm_local
-from tools.grid_slurm import JOBS_FILE
 
 pytestmark = pytest.mark.slow
 EPOCHS = 10  # long enough to requeue the training in its middle (a rolling checkpoint a epoch)

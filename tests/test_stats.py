@@ -1,4 +1,4 @@
-"""tools/stats.py against values computed by hand."""
+"""experiments/stats.py against values computed by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tools import stats
+from experiments import stats
 
 T_975_2 = 4.302652729749462  # t quantile 0.975, 2 degrees of freedom (tables: 4.303)
 

@@ -337,8 +337,8 @@ def test_open_clip_tags_download_through_huggingface_hub(tmp_path, online, monke
 
 
 def test_grid_fetches_each_backbone_once_before_runs(tiny_clip, server, online):
-    from tools.grid import expand, select
-    from tools.protocols import Setup, fetch_weights
+    from experiments.grid_plan import expand, select
+    from experiments.protocols import Setup, fetch_weights
 
     data = open(tiny_clip[1], "rb").read()
     server.files["/tiny.pt"] = data

@@ -36,7 +36,7 @@ import torch
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.benchmark_efficient import (  # noqa: E402
+from experiments.benchmark_efficient import (  # noqa: E402
     EFFICIENT_OPTIMIZERS,
     EFFICIENT_STEPS_PER_CALL,
     EFFICIENT_TARGETS,
@@ -44,7 +44,7 @@ from tools.benchmark_efficient import (  # noqa: E402
     efficient_costs,
     print_efficient_costs,
 )
-from tools.benchmark_memory import (  # noqa: E402
+from experiments.benchmark_memory import (  # noqa: E402
     MEMORY_CHUNK,
     MEMORY_CLASSES,
     MEMORY_TRAINERS,
@@ -53,7 +53,7 @@ from tools.benchmark_memory import (  # noqa: E402
     memory_row,
     print_memory_report,
 )
-from tools.benchmark_runs import (  # noqa: E402
+from experiments.benchmark_runs import (  # noqa: E402
     DATASET_CLASSES,
     RELEASED,
     TWO_PASS,
@@ -71,7 +71,7 @@ from tools.benchmark_runs import (  # noqa: E402
     run_costs,
     shlex_join,
 )
-from tools.benchmark_steps import (  # noqa: E402
+from experiments.benchmark_steps import (  # noqa: E402
     DATASET,
     OPTIMIZERS,
     PRECISIONS,

@@ -6,12 +6,14 @@ Usage::
     python tools/check_data.py --root DATA Caltech101 eurosat  # reader, config or folder names
     python tools/check_data.py --root DATA folder:mydata        # your own images (Folder)
     python tools/check_data.py --plugin my_reader.py --root DATA MyReader   # a plugin's reader
+    python tools/check_data.py --root DATA --verify            # every image read and counted
 
-Prints one row per dataset: ``ready``, ``partial`` (some pieces or class folders missing) or
-``missing`` (nothing there), what is missing, and below the table how to obtain each dataset
-that is not ready. Exits with status 1 if any requested dataset is partial or missing. A
-registered reader that declares no layout is reported as ``unchecked`` (its reader checks its
-data at start-up).
+Prints one row per dataset: ``ready``, ``partial`` (some pieces or class folders missing),
+``missing`` (nothing there) or, for a folder dataset, ``too small`` (a class has fewer training
+images than ``--shots``, default 16: the run would stop), what is missing, and below the table
+how to obtain each dataset that is not ready. Exits with status 1 if any requested dataset is
+partial, missing or too small. A registered reader that declares no layout is reported as
+``unchecked`` (its reader checks its data at start-up).
 
 The expected layouts are the ``LAYOUT`` declarations of the readers in ``datasets/``; the readers
 check the same thing at start-up. ``check_dataset(root, name)`` is the importable form.
@@ -37,47 +39,16 @@ from tabulate import tabulate  # noqa: E402
 from datasets import PAPER_DATASETS  # noqa: E402
 from datasets.common import Layout  # noqa: E402
 from datasets.folder import PREFIX as FOLDER_PREFIX  # noqa: E402
-from datasets.folder import folder_layout, inspect_folder  # noqa: E402
-from engine.errors import ConfigError  # noqa: E402
+from datasets.folder import inspect_folder, shots_problem  # noqa: E402
+from engine.errors import ConfigError, DataError  # noqa: E402
 from engine.plugins import env_plugins, load_plugins  # noqa: E402
-from engine.registry import DATASET_REGISTRY  # noqa: E402
+from experiments.layouts import find_layout  # noqa: E402
+from experiments.verify_data import verify_dataset  # noqa: E402
 
 READY, PARTIAL, MISSING = "ready", "partial", "missing"
+SMALL = "too small"  # a folder dataset with a class of fewer training images than --shots
 UNCHECKED = "unchecked"  # a registered reader without a declared layout (it checks at start-up)
 HOW = "how to get it: "  # prefix of the details line that says how to obtain the dataset
-
-
-def find_layout(name: str) -> Layout | None:
-    """The layout of a dataset given by reader name (``Caltech101``), config / module name
-    (``caltech101``) or folder name (``caltech-101``), case-insensitively; None for a registered
-    reader that declares no layout.
-
-    ``folder:<folder>`` is the folder dataset ``<folder>`` (``DATASET.NAME Folder``).
-
-    Raises:
-        KeyError: no reader matches; the message lists the known names.
-    """
-    if name.startswith(FOLDER_PREFIX) and name[len(FOLDER_PREFIX) :].strip("/"):
-        return folder_layout(name[len(FOLDER_PREFIX) :])
-    if name.lower() == "folder":
-        raise KeyError(
-            "Folder reads the folder DATASET.FOLDER: check it as folder:<that folder>, e.g. "
-            "folder:mydata"
-        )
-    known: dict[str, Layout | None] = {}
-    for reg_name in DATASET_REGISTRY:
-        cls = DATASET_REGISTRY.get(reg_name)
-        layout = getattr(cls, "layout", None)
-        layout = layout if isinstance(layout, Layout) else None
-        keys = [reg_name, cls.__module__.rsplit(".", 1)[-1]] + ([layout.folder] if layout else [])
-        for key in keys:
-            known.setdefault(key.lower(), layout)
-    if name.lower() not in known:
-        raise KeyError(
-            f"Unknown dataset '{name}'; known: {', '.join(DATASET_REGISTRY)} (or their config "
-            "file or folder names)"
-        )
-    return known[name.lower()]
 
 
 def found_folder(layout: Layout) -> bool:
@@ -85,12 +56,14 @@ def found_folder(layout: Layout) -> bool:
     return layout.name.startswith(FOLDER_PREFIX)
 
 
-def check_dataset(root: str, name: str) -> tuple[str, list[str]]:
+def check_dataset(root: str, name: str, shots: int = 16) -> tuple[str, list[str]]:
     """Check one dataset's folder under ``root``.
 
     Args:
         root: the dataset root (DATASET.ROOT).
         name: reader, config or folder name of the dataset.
+        shots: the training shots per class a run will draw; a folder dataset with a class of
+            fewer training images is "too small" (the reader would stop the run).
 
     Returns:
         ``(status, details)``: status is "ready", "partial" or "missing" ("unchecked" for a
@@ -117,6 +90,12 @@ def check_dataset(root: str, name: str) -> tuple[str, list[str]]:
         problems += found
     if problems:
         return PARTIAL, problems + notes + [how]
+    try:
+        small = shots_problem(root, layout.folder, shots) if found_folder(layout) else None
+    except DataError as e:
+        return PARTIAL, [str(e), *notes, how]
+    if small:
+        return SMALL, [small, *notes]
     if layout.split_file and not layout.has_split_file(root) and not found_folder(layout):
         notes.append(
             f"{layout.split_file} absent: a first run generates and saves a split (not the "
@@ -136,12 +115,25 @@ def main(argv: list[str] | None = None) -> int:
         "names", nargs="*", help=f"datasets to check (default: all {len(PAPER_DATASETS)})"
     )
     parser.add_argument(
+        "--shots",
+        type=int,
+        default=16,
+        help="training shots per class the runs will use (default 16): a folder dataset with a "
+        "class of fewer training images is reported 'too small'",
+    )
+    parser.add_argument(
         "--plugin",
         action="append",
         default=[],
         metavar="FILE_OR_MODULE",
         help="import a module registering your own dataset reader first (a .py path or a module "
         "name; repeatable; also $SAMPLE_PL_PLUGINS)",
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="prove the datasets ready: read by their readers, every image of every split "
+        "present and readable, class and image counts (experiments/verify_data.py)",
     )
     args = parser.parse_args(argv)
     try:
@@ -156,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, hows = [], []
     for name, layout in layouts.items():
-        status, details = check_dataset(args.root, name)
+        if args.verify:
+            status, details = verify_dataset(args.root, name)
+        else:
+            status, details = check_dataset(args.root, name, args.shots)
         name, folder = (layout.name, layout.folder + "/") if layout else (name, "")
         lines = [d for d in details if not d.startswith(HOW)]
         hows += [f"{name}: {d[len(HOW) :]}" for d in details if d.startswith(HOW)]
@@ -174,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nHow to get what is missing:")
         for line in hows:
             print(f"- {line}")
-    not_ready = sum(row[2] in (MISSING, PARTIAL) for row in rows)
+    not_ready = sum(row[2] in (MISSING, PARTIAL, SMALL) for row in rows)
     print(f"\n{sum(row[2] == READY for row in rows)} of {len(rows)} ready")
     return 1 if not_ready else 0
 

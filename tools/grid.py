@@ -7,8 +7,8 @@ A grid is trainers x optimizers x datasets x seeds x protocols (``base2new``,
 - locally, one chain after another (train.py's output streams to the terminal);
 - ``--gpus 0,1,2,3`` (or ``auto``): one worker per GPU (``CUDA_VISIBLE_DEVICES``), each run's
   output in ``<run dir>/console.txt``, a progress line per run;
-- ``--slurm``: one SLURM job per chain through submitit (``tools/grid_slurm.py``: GPUs per job,
-  ``--slurm-wait``, ``--status``, requeues and time limits; docs/cluster.md).
+- ``--slurm``: one SLURM job per chain through submitit (``experiments/grid_slurm.py``: GPUs per
+  job, ``--slurm-wait``, ``--status``, requeues and time limits; docs/cluster.md).
 
 ``--per-gpu N`` packs N workers onto each GPU (after a free-memory check, ``--worker-mem-gb``);
 ``--workers N`` runs N workers without GPUs. ``--in-process``: each worker is one long-lived
@@ -22,7 +22,7 @@ another process holds (a second grid on the same output) is left for last, then 
 run found finished once its folder's lock is held is not run again (train.py --skip-done
 --wait-for-folder), so two grids on one output share its runs and each runs once. Before anything
 starts, the data (``tools/check_data.py``), the merged configs and the CLIP weights are
-checked. The output layout is described in ``tools/protocols.py``.
+checked. The output layout is described in ``experiments/protocols.py``.
 
 Examples::
 
@@ -49,194 +49,58 @@ change the experiment belong with a ``--tag``, or their runs share the default f
 ``--repro paper|released`` (both: ``--repro paper released``; default ``$REPRO``) picks the
 reproduction mode (docs/reproducing.md): ``paper`` keeps the folders above,
 ``released`` (an emulation of the SAMPLe authors' released code) runs ``train.py --repro
-released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, the
-paper's grids (``--preset paper*``) run ``released``, the mode judged more likely to reproduce
-the published tables (docs/reproducing.md); other grids run ``paper``.
+released`` into folders tagged ``released`` (``{cfg}+{optim}-released``). Without either, every
+grid runs ``paper``, as train.py, the scripts and the demo do (one rule: ``paper`` unless
+``released`` is named; docs/reproducing.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import shlex
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from queue import Empty, Queue
 
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.grid_exec import (  # noqa: E402
+from experiments.grid_exec import (  # noqa: E402
     ChainClaim,
     GridError,
     Progress,
     execute_chain,
     held_runs,
 )
-from tools.paper_results import (  # noqa: E402
-    BASE2NEW_DATASETS,
+from experiments.grid_plan import (  # noqa: E402
+    AXES,
+    PRESETS,
+    SubGrid,
+    expand_modes,
+    repro_modes,
+    select,
+    sweep_variants,
+)
+from experiments.paper_results import (  # noqa: E402
     EFFICIENT_OPTIMIZERS,
     EXTRA_TRAINERS,
     OPTIMIZERS,
     TRAINERS,
 )
-from tools.protocols import (  # noqa: E402
+from experiments.protocols import (  # noqa: E402
     PROTOCOLS,
     REPRO_MODES,
-    TARGETS,
     Chain,
     ProtocolError,
     Setup,
-    base2new_chain,
     fetch_weights,
     preflight,
     run_status,
-    transfer_chain,
+    shots_warnings,
 )
-
-
-@dataclass(frozen=True)
-class SubGrid:
-    """One rectangular block of a grid (defaults: the paper's datasets, targets and seeds).
-
-    ``variants``: the points of a sweep, each a tuple of KEY VALUE options given to every run of
-    a chain and named in its folder tag (``tools/protocols.py``); ``((),)``: no sweep.
-    """
-
-    protocols: tuple[str, ...]
-    trainers: tuple[str, ...]
-    optims: tuple[str, ...]
-    datasets: tuple[str, ...] = BASE2NEW_DATASETS
-    seeds: tuple[int, ...] = (1, 2, 3)
-    xd_targets: tuple[str, ...] = TARGETS["cross_dataset"]
-    dg_targets: tuple[str, ...] = TARGETS["domain_gen"]
-    variants: tuple[tuple[str, ...], ...] = ((),)
-
-
-def sweep_variants(key: str, values) -> tuple[tuple[str, ...], ...]:
-    """One variant per value of config ``key``: ``((key, v1), (key, v2), ...)``."""
-    return tuple((key, str(v)) for v in values)
-
-
-_TRANSFER = ("cross_dataset", "domain_gen")
-# The sweeps of the paper's Figure 3 (ImageNet; CoOp, CoCoOp, MaPLe). The paper does not list
-# its values: these span its deployed rho (0.05/0.10) and lambda (0.15) on both sides.
-SWEEP_RHO = (0.01, 0.02, 0.05, 0.1, 0.2)
-SWEEP_LAMBDA = (0.05, 0.15, 0.3, 0.5, 0.7, 0.9)
-_SWEEP = {
-    "protocols": ("base2new",),
-    "trainers": ("CoOp", "CoCoOp", "MaPLe"),
-    "datasets": ("imagenet",),
-}
-PRESETS = {
-    "paper-base2new": (SubGrid(("base2new",), TRAINERS, OPTIMIZERS),),
-    "paper-transfer": (SubGrid(_TRANSFER, TRAINERS, ("sgd", "sample")),),
-    "paper-ablation": (SubGrid(("base2new",), ("CoPrompt",), ("sgd", "sam", "sagm", "sample")),),
-    # the paper's protocols for the trainers it has no numbers for (KgCoOp, IVLP, PromptSRC)
-    "extra-base2new": (SubGrid(("base2new",), EXTRA_TRAINERS, OPTIMIZERS),),
-    "extra-transfer": (SubGrid(_TRANSFER, EXTRA_TRAINERS, ("sgd", "sample")),),
-    "sweep-rho": (
-        SubGrid(
-            optims=("sam", "fsam", "sagm", "sample"),
-            variants=sweep_variants("OPTIM.SAM.RHO", SWEEP_RHO),
-            **_SWEEP,
-        ),
-    ),
-    "sweep-lambda": (
-        SubGrid(
-            optims=("fsam", "sample"),
-            variants=sweep_variants("OPTIM.SAM.LAMBDA", SWEEP_LAMBDA),
-            **_SWEEP,
-        ),
-    ),
-}
-PRESETS["efficient-base2new"] = (SubGrid(("base2new",), TRAINERS, EFFICIENT_OPTIMIZERS),)
-PRESETS["efficient-transfer"] = (SubGrid(_TRANSFER, TRAINERS, EFFICIENT_OPTIMIZERS),)
-PRESETS["efficient"] = PRESETS["efficient-base2new"] + PRESETS["efficient-transfer"]
-PRESETS["paper"] = PRESETS["paper-base2new"] + PRESETS["paper-transfer"]
-PRESETS["extra"] = PRESETS["extra-base2new"] + PRESETS["extra-transfer"]
-PRESETS["sweep"] = PRESETS["sweep-rho"] + PRESETS["sweep-lambda"]
-AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
-
-
-# -- grid expansion ---------------------------------------------------------------------------
-def check_seeds(seeds) -> tuple[int, ...]:
-    """Any list of seeds >= 0, in the given order without repeats."""
-    bad = [s for s in seeds if s < 0]
-    if bad:
-        raise GridError(
-            f"--seeds {' '.join(map(str, bad))}: seeds must be >= 0 (a negative SEED leaves the "
-            "run unseeded and not reproducible)"
-        )
-    return tuple(dict.fromkeys(seeds))
-
-
-def select(preset: str | None, **axes) -> list[SubGrid]:
-    """The sub-grids of ``preset`` restricted to the given axes, or one grid built from them.
-
-    Args:
-        preset: a key of :data:`PRESETS` or None.
-        **axes: values for the fields of :class:`SubGrid` (None = not given).
-    """
-    given = {k: tuple(v) for k, v in axes.items() if v}
-    if "seeds" in given:
-        given["seeds"] = check_seeds(given["seeds"])
-    if preset is None:
-        if "trainers" not in given:
-            raise GridError("Choose a --preset or give --trainers (e.g. --trainers CoOp)")
-        defaults = {"protocols": ("base2new",), "optims": ("sample",)}
-        return [SubGrid(**{**defaults, **given})]
-    if preset not in PRESETS:
-        raise GridError(f"Unknown preset {preset!r}: one of {', '.join(PRESETS)}")
-    grids = []
-    for grid in PRESETS[preset]:
-        sub = {k: tuple(x for x in getattr(grid, k) if x in given[k]) for k in given}
-        if "seeds" in given:  # any seed list, not only the preset's seeds
-            sub["seeds"] = given["seeds"]
-        grids.append(replace(grid, **sub))
-    kept = [g for g in grids if all(getattr(g, k) for k in ("protocols", "trainers", "optims"))]
-    kept = [g for g in kept if g.datasets or "base2new" not in g.protocols]
-    if not kept:
-        offered = {
-            k: sorted({x for g in PRESETS[preset] for x in getattr(g, k)}, key=str) for k in given
-        }
-        raise GridError(
-            f"Narrowing preset {preset!r} to {given} leaves no runs; the preset offers "
-            f"{offered}. Without --preset, give the axes explicitly (e.g. --trainers CoOp "
-            "--optims sample --datasets small_world)"
-        )
-    return kept
-
-
-def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
-    """Chains of runs, one per training run (shared ImageNet trainings are merged)."""
-    chains: dict[str, Chain] = {}
-
-    def add(chain: Chain) -> None:
-        have = chains.setdefault(chain.train.out_dir, Chain(chain.train))
-        known = {r.out_dir for r in have.evals}
-        have.evals += [r for r in chain.evals if r.out_dir not in known]
-
-    for grid in grids:
-        for protocol in grid.protocols:
-            if protocol not in PROTOCOLS:
-                raise GridError(f"Unknown protocol {protocol!r}: one of {', '.join(PROTOCOLS)}")
-        targets = [
-            ("cross_dataset", t) for t in grid.xd_targets if "cross_dataset" in grid.protocols
-        ]
-        targets += [("domain_gen", t) for t in grid.dg_targets if "domain_gen" in grid.protocols]
-        for trainer, optim, variant in itertools.product(grid.trainers, grid.optims, grid.variants):
-            if "base2new" in grid.protocols:
-                for dataset in grid.datasets:
-                    for seed in grid.seeds:
-                        add(base2new_chain(setup, trainer, optim, dataset, seed, variant))
-            if targets:
-                for seed in grid.seeds:
-                    add(transfer_chain(setup, trainer, optim, seed, targets, variant))
-    return list(chains.values())
 
 
 def detect_gpus(spec: str | None) -> list[str] | None:
@@ -330,7 +194,7 @@ def run_local(
         where += f" worker {slot}" if max(per_gpu, workers) > 1 else ""
         runner = None
         if in_process:
-            from tools.worker import Worker
+            from experiments.worker import Worker
 
             runner = Worker(env, python=setup.python)
         try:
@@ -373,8 +237,8 @@ def run_local(
 
 def submit_slurm(chains: list[Chain], setup: Setup, args) -> list:
     """Submit one job per chain (a job array) with submitit; returns the jobs
-    (``tools/grid_slurm.py``)."""
-    from tools.grid_slurm import submit
+    (``experiments/grid_slurm.py``)."""
+    from experiments.grid_slurm import submit
 
     return submit(chains, setup, args)
 
@@ -382,7 +246,7 @@ def submit_slurm(chains: list[Chain], setup: Setup, args) -> list:
 def run_slurm(chains: list[Chain], setup: Setup, args) -> int:
     """``--slurm``: submit the chains that have no queued or running job, then with
     ``--slurm-wait`` wait for them."""
-    from tools.grid_slurm import live_jobs, read_records, wait
+    from experiments.grid_slurm import live_jobs, read_records, wait
 
     live = live_jobs(setup.output)
     busy = [c for c in chains if c.train.out_dir in live]
@@ -446,8 +310,7 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=REPRO_MODES,
         help="reproduction mode(s): paper and/or released (the SAMPLe authors' released code "
-        "emulated; folders tagged 'released'). Default: $REPRO, else released for --preset "
-        "paper* (the paper's grids) and paper for other grids",
+        "emulated; folders tagged 'released'). Default: $REPRO, else paper (as train.py)",
     )
 
 
@@ -502,26 +365,6 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
         repro=repro_modes(args)[0],
         plugins=tuple(absolute_spec(p) for p in getattr(args, "plugin", None) or []),
     )
-
-
-def repro_modes(args) -> list[str]:
-    """The reproduction modes of a grid: ``--repro``, else ``$REPRO``, else ``released`` for
-    the paper's grids (``--preset paper*``) and ``paper`` for other grids."""
-    given = getattr(args, "repro", None) or os.environ.get("REPRO", "").split()
-    if given:
-        bad = [m for m in given if m not in REPRO_MODES]
-        if bad:
-            raise GridError(f"Reproduction mode {bad[0]!r} ($REPRO): one of {REPRO_MODES}")
-        return list(dict.fromkeys(given))
-    return ["released" if (getattr(args, "preset", None) or "").startswith("paper") else "paper"]
-
-
-def expand_modes(grids: list[SubGrid], setup: Setup, modes) -> list[Chain]:
-    """The chains of ``grids`` in each reproduction mode of ``modes`` (in that order)."""
-    chains = []
-    for mode in dict.fromkeys(modes or [setup.repro]):
-        chains += expand(grids, replace(setup, repro=mode))
-    return chains
 
 
 def split_opts(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -640,13 +483,15 @@ def main(argv: list[str] | None = None) -> int:
     argv, opts = split_opts(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     if args.status:
-        from tools.grid_slurm import status
+        from experiments.grid_slurm import status
 
         return status(args.output)
     try:
         setup = setup_from_args(args, opts)
         chains = expand_modes(grids_from_args(args), setup, repro_modes(args))
         pending = print_plan(chains, setup, args.dry_run, args.commands)
+        for line in shots_warnings(chains, setup) if pending else []:  # dry runs included
+            print(f"warning: {line}", flush=True)
         if args.dry_run or not pending:
             return 0
         if not setup.data:

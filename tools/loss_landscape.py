@@ -60,7 +60,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tools.plotting import (  # noqa: E402
+from experiments.plotting import (  # noqa: E402
+    mark_identical,
     optimizer_name,
     pyplot,
     read_run_config,
@@ -100,7 +101,7 @@ def load_run_trainer(run_dir: str, output_dir: str, epoch: int | None = None, op
     """
     from engine import build_trainer
     from engine.utils import set_random_seed
-    from tools.protocols import load_epoch
+    from experiments.protocols import load_epoch
 
     if osp.abspath(output_dir) == osp.abspath(run_dir):
         raise ValueError("output_dir must not be the run folder (it would be written to)")
@@ -326,25 +327,37 @@ def _ylabel(scale: float) -> str:
     return "loss" if scale == 1.0 else f"loss / {scale:.4g} (max among runs)"
 
 
-def plot_1d(result: dict, path: str, raw: bool = False) -> str:
+def figure_1d(result: dict, raw: bool = False):
+    """The 1-D plot's figure: one curve per run; a curve identical to an earlier one is dashed
+    and its legend entry says so (:func:`tools.plotting.mark_identical`)."""
     plt = pyplot()
     runs = result["runs"]
     scale = plot_scale(runs, "loss_1d", raw)
     fig, ax = plt.subplots(figsize=(6, 4))
     colors = run_colors([r.get("optim", "") for r in runs])
-    for r, color in zip(runs, colors):
-        y = np.asarray(r["loss_1d"]) / scale
-        ax.plot(result["alphas_1d"], y, label=r["label"], lw=2, color=color)
+    curves = [np.asarray(r["loss_1d"]) / scale for r in runs]
+    labels, styles = mark_identical([r["label"] for r in runs], curves)
+    for y, label, style, color in zip(curves, labels, styles, colors):
+        ax.plot(result["alphas_1d"], y, label=label, lw=2, color=color, ls=style)
     ax.axvline(0.0, color="k", lw=0.5, ls=":")
     ax.set_xlabel("step along a filter-normalised random direction")
     ax.set_ylabel(_ylabel(scale))
+    if scale != 1.0:  # the losses themselves on the right
+        right = ax.secondary_yaxis("right", functions=(lambda v: v * scale, lambda v: v / scale))
+        right.set_ylabel("loss")
     ax.set_title("Training loss around the learned prompts")
     ax.legend()
     ax.grid(alpha=0.3)
-    return save_figure(fig, path)
+    return fig
 
 
-def plot_2d(result: dict, path: str, raw: bool = False) -> str:
+def plot_1d(result: dict, path: str, raw: bool = False) -> str:
+    return save_figure(figure_1d(result, raw), path)
+
+
+def figure_2d(result: dict, raw: bool = False):
+    """The 2-D contour panels' figure: shared axes (the directions' scale is the same in every
+    panel), labelled once per row and column, laid out so that no labels overlap."""
     plt = pyplot()
     runs = result["runs"]
     scale = plot_scale(runs, "loss_2d", raw)
@@ -355,19 +368,36 @@ def plot_2d(result: dict, path: str, raw: bool = False) -> str:
     levels = np.linspace(finite.min(), finite.max(), 21) if np.ptp(finite) > 0 else 21
     cols = min(len(runs), 3)
     rows = math.ceil(len(runs) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.8 * rows), squeeze=False)
-    for ax, r, z in zip(axes.flat, runs, surfaces):
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(4.2 * cols + 1.0, 3.8 * rows),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+        layout="constrained",
+    )
+    titles, _ = mark_identical([r["label"] for r in runs], surfaces)
+    for k, (ax, title, z) in enumerate(zip(axes.flat, titles, surfaces)):
         filled = ax.contourf(x, y, z, levels=levels, cmap="viridis")
         ax.contour(x, y, z, levels=levels, colors="k", linewidths=0.3)
         ax.plot(0, 0, "w+", ms=10)
-        ax.set_title(r["label"])
-        ax.set_xlabel("direction 1")
-        ax.set_ylabel("direction 2")
+        ax.set_title(title, fontsize=10)
+        if k // cols == rows - 1 or k + cols >= len(runs):  # the lowest panel of its column
+            ax.set_xlabel("direction 1")
+        if k % cols == 0:
+            ax.set_ylabel("direction 2")
+        else:
+            ax.tick_params(labelleft=False)
         ax.set_aspect("equal")
     for ax in list(axes.flat)[len(runs) :]:
         ax.set_visible(False)
     fig.colorbar(filled, ax=axes.ravel().tolist(), label=_ylabel(scale))
-    return save_figure(fig, path)
+    return fig
+
+
+def plot_2d(result: dict, path: str, raw: bool = False) -> str:
+    return save_figure(figure_2d(result, raw), path)
 
 
 def plot_3d(result: dict, path: str, raw: bool = False) -> str:

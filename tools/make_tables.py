@@ -13,10 +13,10 @@ without any run folder are left out unless ``--show-empty``). A mean over fewer 
 grid asks for is marked ``*`` and every missing or failed run is listed under the table; an
 average over datasets is left empty until every dataset has a result. Seed folders beyond the
 grid's ``--seeds`` are used too (every seed found counts); each table's heading says how many
-seeds its cells have. The paper's numbers come from ``tools/paper_results.csv``; they are compared
-only where the grid's datasets/targets are the paper's.
+seeds its cells have. The paper's numbers come from ``experiments/paper_results.csv``; they are
+compared only where the grid's datasets/targets are the paper's.
 
-Paired comparisons (``tools/stats.py``): under each base-to-new, cross-dataset and domain
+Paired comparisons (``experiments/stats.py``): under each base-to-new, cross-dataset and domain
 generalisation table, the difference a - b of two methods per column, over the seeds both have
 (same seed, same few-shot draw), with a 95% Student-t interval; the average row/column has a 95%
 bootstrap interval over dataset x seed and the p-value of a Wilcoxon signed-rank test over
@@ -24,7 +24,13 @@ datasets. A difference whose interval contains 0 is marked ``†`` (not resolved
 Default pairs: each sharpness-aware row against its trainer's base-optimizer (``sgd``) row;
 ``--compare A B`` (repeatable) picks any two methods; ``--seeds-needed [DELTA]`` adds how many
 seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
-report (``tools/report.py``).
+report (``experiments/report.py``). ``--zeroshot DIR`` adds the zero-shot CLIP row (the baseline) to
+the base-to-new tables from ``--eval-only`` runs of the ``ZeroshotCLIP`` trainer in
+``DIR/{base,new}/seed<N>`` (one dataset; ``DIR/<dataset>/{base,new}/seed<N>`` for several), the
+layout ``scripts/demo.sh`` writes.
+
+``±`` (``--std``) is the population standard deviation of the seeds' values (divided by n, not
+n - 1; ``statistics.pstdev``), printed under every table that shows it.
 
 Reproduction modes (docs/reproducing.md): ``--repro paper``, ``--repro released`` or
 both (the default: every mode that has run folders). When runs of the ``released`` mode are in
@@ -58,33 +64,28 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.cost_table import cost_table  # noqa: E402
-from tools.grid import (  # noqa: E402
-    GridError,
-    add_grid_args,
-    expand_modes,
-    grids_from_args,
-    setup_from_args,
-)
-from tools.paper_results import (  # noqa: E402
+from experiments.cost_table import cost_table  # noqa: E402
+from experiments.grid_plan import expand_modes  # noqa: E402
+from experiments.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
     OPTIMIZER_TITLES,
     OPTIMIZERS,
     TARGETS_BY_TABLE,
     TRAINERS,
+    ZERO_SHOT,
     paper_value,
     row_title,
     split_mode,
     with_mode,
 )
-from tools.parse_results import SeedStats, collect_seeds, group_seeds  # noqa: E402
-from tools.protocols import (  # noqa: E402
+from experiments.protocols import (  # noqa: E402
     SOURCE_DATASET,
     Chain,
     ProtocolError,
     dataset_title,
 )
-from tools.stats import (  # noqa: E402
+from experiments.results import SeedStats, collect_seeds, group_seeds  # noqa: E402
+from experiments.stats import (  # noqa: E402
     Diff,
     across_datasets,
     describe_methods,
@@ -95,7 +96,7 @@ from tools.stats import (  # noqa: E402
     per_seed_hm,
     seeds_needed,
 )
-from tools.tables_model import (  # noqa: E402
+from experiments.tables_model import (  # noqa: E402
     MARK,
     RECORD_FIELDS,
     Cell,
@@ -104,9 +105,11 @@ from tools.tables_model import (  # noqa: E402
     Results,
     Table,
     diff_record,
+    empty_paper_columns,
     legend,
     render_rows,
 )
+from tools.grid import GridError, add_grid_args, grids_from_args, setup_from_args  # noqa: E402
 
 TABLE_NAMES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 FORMATS = ("terminal", "markdown", "csv", "latex")
@@ -425,9 +428,9 @@ def _block(t: Table, fmt: str, std: bool, tablefmt: str) -> str:
 
     placeholder = "DAGGERMARK" if fmt == "latex" else MARK
     rows, headers = render_rows(t, std, placeholder), t.headers
-    if headers == B2N_HEADERS and all(c.paper is None for _, *cells in t.rows for c in cells):
-        # no published numbers (e.g. KgCoOp, IVLP, PromptSRC): no paper/diff columns
-        keep = [i for i, h in enumerate(headers) if not h.endswith((" paper", " diff"))]
+    empty = empty_paper_columns(t)  # no published numbers (e.g. KgCoOp, IVLP, a new dataset)
+    if empty:
+        keep = [i for i in range(len(headers)) if i not in empty]
         headers, rows = [headers[i] for i in keep], [[r[i] for i in keep] for r in rows]
     body = tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)
     if fmt == "markdown":
@@ -458,7 +461,7 @@ def render(tables: list[Table], fmt: str, std: bool = False) -> str:
         if t.diffs is not None:
             parts.append(_block(t.diffs, fmt, std, tablefmt))
     prefix, mark = ("% ", LATEX_MARK) if fmt == "latex" else ("", MARK)
-    lines = legend(tables, mark)
+    lines = legend(tables, mark, std)
     return "\n\n".join(parts) + "\n\n" + "".join(f"{prefix}{x}\n" for x in lines)
 
 
@@ -524,6 +527,13 @@ def build(args) -> Results:
 
     tables = []
     b2n_rows = rows_of("base2new", datasets)
+    zeroshot = zeroshot_runs(getattr(args, "zeroshot", None), datasets)
+    if zeroshot and b2n_rows:
+        for (dataset, half), seed_dirs in zeroshot.items():
+            key = ("base2new", *ZERO_SHOT, dataset, half)
+            folders[key], kinds[key] = seed_dirs, "eval"
+            stats[key] = collect_seeds(seed_dirs, "eval")
+        b2n_rows = [ZERO_SHOT, *b2n_rows]  # the baseline first; never in a paired difference
     if datasets and b2n_rows and {"base2new", "ablation"} & set(wanted):
         panels = base2new_tables(stats, b2n_rows, datasets, args.avg_hm)
         add_base2new_diffs(panels, stats, pairs, datasets, args.avg_hm, delta)
@@ -539,7 +549,37 @@ def build(args) -> Results:
     if getattr(args, "cost", False) or getattr(args, "report", None):  # the report always has it
         cost = cost_table(folders, kinds, [r for r in grid_rows if any(k[1:3] == r for k in stats)])
         tables += [cost] if cost else []
-    return Results(tables, stats, folders, grid_rows, datasets, targets, pairs)
+    rows = [ZERO_SHOT, *grid_rows] if ZERO_SHOT in b2n_rows else grid_rows  # the report's
+    return Results(tables, stats, folders, rows, datasets, targets, pairs)
+
+
+def zeroshot_runs(folder: str | None, datasets: list[str]) -> dict[tuple[str, str], dict]:
+    """``{(dataset, "base" | "new"): {seed: run folder}}`` of the zero-shot CLIP runs in
+    ``folder`` (``--zeroshot``): ``folder/<dataset>/{base,new}/seed<N>``, or with one dataset
+    ``folder/{base,new}/seed<N>``.
+
+    Raises:
+        GridError: the folder holds no such runs (naming the layout it looked for).
+    """
+    if not folder:
+        return {}
+    out = {}
+    for dataset in datasets:
+        group = osp.join(folder, dataset)
+        if not osp.isdir(group) and len(datasets) == 1:
+            group = folder
+        for half in ("base", "new"):
+            path = osp.join(group, half)
+            seeds = group_seeds(path, None) if osp.isdir(path) else {}
+            if seeds:
+                out[(dataset, half)] = seeds
+    if not out:
+        raise GridError(
+            f"--zeroshot {folder}: no zero-shot runs found; expected run folders "
+            f"{folder}/<dataset>/{{base,new}}/seed<N> (or {folder}/{{base,new}}/seed<N> for "
+            "one dataset) written by train.py --trainer ZeroshotCLIP --eval-only"
+        )
+    return out
 
 
 def _order(name: str, known: tuple) -> tuple:
@@ -587,6 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
         "runs, step time, peak memory; from each run's cost.json); always in --report",
     )
     parser.add_argument("--report", metavar="DIR", help="write the HTML report DIR/index.html")
+    parser.add_argument(
+        "--zeroshot",
+        metavar="DIR",
+        help="add the zero-shot CLIP row to the base-to-new tables: eval-only ZeroshotCLIP runs "
+        "in DIR/{base,new}/seed<N> (one dataset) or DIR/<dataset>/{base,new}/seed<N>",
+    )
     return parser
 
 
@@ -620,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(render(tables, fmt, args.std))
         print(f"Saved tables.txt/.md/.csv/.tex in {args.save}")
     if args.report:
-        from tools.report import write_report
+        from experiments.report import write_report
 
         path = write_report(results, args.report, std=args.std)
         print(f"Report: {path}")

@@ -38,7 +38,8 @@ if __package__ in (None, ""):  # run as a script
 
 import numpy as np  # noqa: E402
 
-from tools.plotting import (  # noqa: E402
+from experiments.plotting import (  # noqa: E402
+    mark_identical,
     optimizer_name,
     pyplot,
     read_run_config,
@@ -147,11 +148,17 @@ def plot_alignment(
         have = [(i, r, *series(r["scalars"], metric)) for i, r in enumerate(runs)]
         have = [h for h in have if len(h[2])]
         width = 0.8 / max(len(have), 1)
+        # a run whose curve equals an earlier one's is dashed and named so (it would hide it)
+        labels, styles = mark_identical(
+            [h[1]["label"] for h in have], [np.stack([h[2], h[3]]) for h in have]
+        )
         for k, (i, run, steps, values) in enumerate(have):
             color = colors[i]
             w = window or max(1, len(values) // 25)
-            curve_ax.plot(steps, values, color=color, alpha=0.25, lw=0.8)
-            curve_ax.plot(steps, smooth(values, w), color=color, lw=1.8, label=run["label"])
+            curve_ax.plot(steps, values, color=color, alpha=0.25, lw=0.8, ls=styles[k])
+            curve_ax.plot(
+                steps, smooth(values, w), color=color, lw=1.8, label=labels[k], ls=styles[k]
+            )
             parts = split_stages(values, stages)
             summary.setdefault(run["label"], {})[metric] = stage_summary(parts, names)
             positions = np.arange(stages) + (k - (len(have) - 1) / 2) * width

@@ -32,16 +32,11 @@ from dataclasses import dataclass
 if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
-from tools.grid import (  # noqa: E402
-    GridError,
-    add_grid_args,
-    expand,
-    grids_from_args,
-    setup_from_args,
-)
-from tools.parse_results import SeedStats, collect_seeds  # noqa: E402
-from tools.plotting import color_of, pyplot, save_figure, write_json  # noqa: E402
-from tools.protocols import Chain, ProtocolError  # noqa: E402
+from experiments.grid_plan import expand  # noqa: E402
+from experiments.plotting import color_of, pyplot, save_figure, write_json  # noqa: E402
+from experiments.protocols import Chain, ProtocolError  # noqa: E402
+from experiments.results import SeedStats, collect_seeds  # noqa: E402
+from tools.grid import GridError, add_grid_args, grids_from_args, setup_from_args  # noqa: E402
 
 METRICS = ("base", "new", "hm")
 

@@ -28,12 +28,22 @@ and adapters); a missing description file or class is an error unless FALLBACK_T
 Per-dataset values (PROMPT_DEPTH / N_CTX / W, Food101's 5 epochs) are config overlays,
 configs/trainers/CoPrompt/per_dataset/<dataset>.yaml, merged after the main config
 (configs/trainers/CoPrompt/vit_b16_c2_ep8_batch4_2ctx.yaml explains the convention).
+
+CoPrompt's own config file and scripts run unchanged: :meth:`CoPrompt.translate_key` reads
+their keys (``TRAINER.CoPrompt.*``, ``TRAINER.W``, ``TRAINER.DISTILL``; CoPrompt's ``train.py``
+declares them) as ``TRAINER.COPROMPT.*`` and sets ``TRAINER.COPROMPT.TRAIN_PY_RULES``, with which
+:meth:`CoPrompt.translate_cfg` does what CoPrompt's ``train.py`` does after the merge: the
+dataset's per-dataset overlay is merged after the config files (CoPrompt's train.py merges it
+over the command line too; here the ``KEY VALUE`` options still win), and the
+description files are read from ``gpt_file/`` of the current folder (CoPrompt's place for them)
+when ``DESCRIPTIONS_DIR`` is not set.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import os.path as osp
 
 import torch
@@ -89,6 +99,41 @@ def add_coprompt_config(cfg) -> None:
     # True: without a description file, use the dataset's hand-crafted CoOp template as the
     # only "description" of each class (otherwise a missing file is an error)
     node.FALLBACK_TEMPLATES = False
+    # True: what CoPrompt's train.py does after the merge (module docstring); CoPrompt's own
+    # config files and scripts set it (their TRAINER.CoPrompt keys, CoPrompt.translate_key)
+    node.TRAIN_PY_RULES = False
+
+
+COPROMPT_MARK = ("TRAINER.COPROMPT.TRAIN_PY_RULES", True)
+COPROMPT_GPT_FOLDER = "gpt_file"  # CoPrompt's description files, relative to its repository
+
+
+def translate_coprompt_key(key: str, value, source: str) -> list[tuple[str, object]]:
+    """One key of CoPrompt's files as this trainer's (module docstring)."""
+    if key.startswith("TRAINER.CoPrompt."):
+        return [(f"TRAINER.COPROMPT.{key[len('TRAINER.CoPrompt.') :]}", value), COPROMPT_MARK]
+    if key == "TRAINER.W":
+        return [("TRAINER.COPROMPT.W", value), COPROMPT_MARK]
+    if key == "TRAINER.DISTILL":  # CoPrompt: "cosine", anything else the squared error
+        return [("TRAINER.COPROMPT.DISTILL_LOSS", "cos" if value == "cosine" else "mse")]
+    return [(key, value)]
+
+
+def _dataset_overlay(name: str) -> str | None:
+    """configs/trainers/CoPrompt/per_dataset/<stem>.yaml of the dataset ``name``, or None."""
+    import yaml
+
+    configs = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), "configs")
+    datasets = osp.join(configs, "datasets")
+    for fname in sorted(os.listdir(datasets)):
+        path = osp.join(datasets, fname)
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if (values.get("DATASET") or {}).get("NAME") == name:
+            stem = osp.splitext(fname)[0]
+            overlay = osp.join(configs, "trainers", "CoPrompt", "per_dataset", f"{stem}.yaml")
+            return overlay if osp.isfile(overlay) else None
+    return None
 
 
 class Adapter(nn.Sequential):
@@ -276,6 +321,38 @@ class CoPrompt(MaPLe):
     """Consistency-guided Prompt learning (CoPrompt) on MaPLe's prompts."""
 
     add_config = staticmethod(add_coprompt_config)
+
+    @classmethod
+    def translate_key(cls, key, value, source):
+        """CoPrompt's files: ``TRAINER.CoPrompt.*``, ``TRAINER.W``, ``TRAINER.DISTILL``."""
+        return translate_coprompt_key(key, value, source)
+
+    @classmethod
+    def translate_cfg(cls, cfg):
+        """CoPrompt's ``train.py`` after the merge, with ``TRAIN_PY_RULES`` (module docstring)."""
+        from engine.config import merge_from_file
+
+        node = cfg.TRAINER.COPROMPT
+        if not node.TRAIN_PY_RULES:
+            return None
+        notes = []
+        overlay = _dataset_overlay(cfg.DATASET.NAME)
+        if overlay is not None:
+            before = {k: node[k] for k in ("PROMPT_DEPTH", "N_CTX", "W")}
+            before["MAX_EPOCH"] = cfg.OPTIM.MAX_EPOCH
+            merge_from_file(cfg, overlay)
+            after = {k: node[k] for k in ("PROMPT_DEPTH", "N_CTX", "W")}
+            after["MAX_EPOCH"] = cfg.OPTIM.MAX_EPOCH
+            changed = [f"{k} {before[k]} -> {v}" for k, v in after.items() if before[k] != v]
+            notes.append(
+                f"CoPrompt's train.py values for {cfg.DATASET.NAME} ({overlay}): "
+                + (", ".join(changed) or "no change")
+                + " (the KEY VALUE options win over them)"
+            )
+        if not node.DESCRIPTIONS_DIR and osp.isdir(COPROMPT_GPT_FOLDER):
+            node.DESCRIPTIONS_DIR = osp.abspath(COPROMPT_GPT_FOLDER)
+            notes.append(f"description files: CoPrompt's {node.DESCRIPTIONS_DIR}")
+        return notes
 
     def check_cfg(self, cfg):
         super().check_cfg(cfg)

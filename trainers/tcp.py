@@ -20,6 +20,13 @@ deliberate:
   per evaluation, not per test batch;
 - N_CTX other than 4 replaces the four placeholder words of the template by N_CTX tokens (TCP
   only works with 4).
+
+TCP's own config files and scripts run unchanged: :meth:`TCP.translate_key` reads their
+``TRAINER.COOP.*`` keys (TCP's ``train.py`` declares them in CoOp's node) as this trainer's
+(:data:`TCP_COOP_KEYS`), and sets ``TRAINER.TCP.TRAIN_PY_RULES``, with which
+:meth:`TCP.translate_cfg` applies the rule of TCP's ``train.py`` after the merge: ImageNet and
+SUN397 train 25 epochs (its script evaluates ``--load-epoch 25`` there; an ``OPTIM.MAX_EPOCH``
+option of the command line still wins here).
 """
 
 from __future__ import annotations
@@ -123,6 +130,45 @@ def add_tcp_config(cfg) -> None:
     cfg.TRAINER.TCP.W = None  # renamed KG_WEIGHT: any value is refused with a pointer
     # text block (0-based) before which the class-aware tokens replace positions 1..N_CTX
     cfg.TRAINER.TCP.INJECT_LAYER = 8
+    # True: TCP's train.py's rule after the merge (ImageNet and SUN397: 25 epochs); TCP's own
+    # config files and scripts set it (their TRAINER.COOP keys, TCP.translate_key)
+    cfg.TRAINER.TCP.TRAIN_PY_RULES = False
+
+
+# TCP's code base keeps its keys in CoOp's node (its train.py's extend_cfg): how each is read
+COOP_NODE = "TRAINER.COOP."
+TCP_MARK = ("TRAINER.TCP.TRAIN_PY_RULES", True)
+TCP_EPOCH_RULE = {"ImageNet": 25, "SUN397": 25}  # TCP's train.py: MAX_EPOCH for these datasets
+
+
+def _as_bool(value):
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value
+
+
+def translate_tcp_key(key: str, value, source: str) -> list[tuple[str, object]]:
+    """One key of TCP's files as this trainer's (see the module docstring)."""
+    leaf = key[len(COOP_NODE) :] if key.startswith(COOP_NODE) else None
+    if leaf in ("N_CTX", "PREC"):
+        return [(f"TRAINER.TCP.{leaf}", value), TCP_MARK]
+    if leaf in ("W", "ALPHA"):  # W: TCP's text blocks use their own fixed weight 1.0
+        return []
+    refused = {
+        "CTX_INIT": (False, "TCP's published configs start from a random context (False)"),
+        "CSC": (False, "TCP's code has one shared context (False)"),
+        "CLASS_TOKEN_POSITION": ("end", "TCP's templates place the class name (end)"),
+    }
+    if leaf not in refused:
+        return [(key, value)]
+    expected, why = refused[leaf]
+    if _as_bool(value) == expected or (leaf == "CTX_INIT" and value in ("", None)):
+        return [TCP_MARK] if leaf == "CTX_INIT" else []  # what this trainer does
+    raise ConfigError(
+        f"{key} {value!r} in {source}: --trainer TCP reads TCP's TRAINER.COOP keys, and "
+        f"supports {leaf} {expected} only ({why}). Set {key} {expected}, or train --trainer "
+        "KgCoOp or CoOp, which read that key."
+    )
 
 
 class TCPPromptLearner(nn.Module):
@@ -234,6 +280,23 @@ class TCP(PromptTrainer):
     features once per evaluation."""
 
     add_config = staticmethod(add_tcp_config)
+
+    @classmethod
+    def translate_key(cls, key, value, source):
+        """TCP's files: ``TRAINER.COOP.<K>`` (module docstring)."""
+        return translate_tcp_key(key, value, source)
+
+    @classmethod
+    def translate_cfg(cls, cfg):
+        """TCP's ``train.py`` rule, with ``TRAINER.TCP.TRAIN_PY_RULES`` (module docstring)."""
+        epochs = TCP_EPOCH_RULE.get(cfg.DATASET.NAME)
+        if not cfg.TRAINER.TCP.TRAIN_PY_RULES or epochs is None:
+            return None
+        before, cfg.OPTIM.MAX_EPOCH = cfg.OPTIM.MAX_EPOCH, epochs
+        return [
+            f"TCP's train.py trains {cfg.DATASET.NAME} {epochs} epochs: OPTIM.MAX_EPOCH "
+            f"{before} -> {epochs} (TRAINER.TCP.TRAIN_PY_RULES)"
+        ]
 
     def check_cfg(self, cfg):
         c = cfg.TRAINER.TCP  # N_CTX and INJECT_LAYER are checked where they are used (the model)

@@ -50,6 +50,8 @@ from engine.utils import AverageMeter, MetricMeter
 from optim.build import get_optimizer_spec
 from optim.errors import UserError
 
+from .file_errors import TrainerFileError, trainer_file_error
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "ReplayError",
     "SimpleTrainer",
     "TrainerBase",
+    "TrainerFileError",
     "TrainerX",
 ]
 
@@ -87,6 +90,16 @@ class _Step:
         self.stats: dict = {}  # the optimizer's diagnostics of the step (logged with the loss)
 
 
+def _raise_file_error(cls, e: Exception, stage: str) -> None:
+    """Raise the one-paragraph :class:`TrainerFileError` of a trainer file's failure (not the
+    engine's own errors, which say what to do already); return when ``e`` is not one."""
+    if isinstance(e, (UserError, FloatingPointError)):
+        return
+    error = trainer_file_error(cls, e, stage)
+    if error is not None:
+        raise error from e
+
+
 def _is_dassl_trainer(cls) -> bool:
     return isinstance(cls, type) and issubclass(cls, TrainerX)
 
@@ -107,10 +120,24 @@ class TrainerX(_EngineTrainerX):
     @classmethod
     def add_config(cls, cfg) -> None:
         """The keys of the project's trainer of the same name, when this class replaced one
-        (e.g. CoOp's file reads ``TRAINER.COOP``); Dassl files declare no keys themselves."""
+        (e.g. CoOp's file reads ``TRAINER.COOP``), and those that the ``train.py`` of a known
+        neighbour declares for a file of this name (``FILE_KEYS`` of engine/neighbour_keys.py,
+        e.g. ``TRAINER.COOP.W`` for KgCoOp's file); keys the config has are kept."""
+        from engine.neighbour_keys import add_file_keys
+
         replaced = cls.__dict__.get("_replaces")
         if replaced is not None:
             replaced.add_config(cfg)
+        add_file_keys(cfg, cls.__name__)
+
+    @classmethod
+    def translate_key(cls, key: str, value, source: str) -> list[tuple[str, object]]:
+        """The neighbours' ``CTX_INIT True``/``False`` (a bool in their ``train.py``; their
+        files then use "a photo of a" or a random context) as the words this project's string
+        key holds; other keys unchanged (the file reads its own nodes)."""
+        from engine.neighbour_keys import ctx_init_words
+
+        return ctx_init_words(key, value)
 
     @classmethod
     def translate_cfg(cls, cfg) -> None:
@@ -121,8 +148,12 @@ class TrainerX(_EngineTrainerX):
     def __init__(self, cfg, classnames: list[str] | None = None):
         self._step = None
         self._file_scaler = None
-        with active_backbone(cfg):  # clip._download / clip.build_model use cfg.MODEL.BACKBONE
-            super().__init__(cfg, classnames=classnames)
+        try:
+            with active_backbone(cfg):  # clip._download / clip.build_model use MODEL.BACKBONE
+                super().__init__(cfg, classnames=classnames)
+        except Exception as e:
+            _raise_file_error(type(self), e, "while building its model (build_model)")
+            raise
         for opt in self._optims.values():  # files that call self.optim.step() themselves
             if opt is not None and get_optimizer_spec(opt).needs_closure:
                 opt.step = partial(self._file_optimizer_step, opt)
@@ -170,6 +201,10 @@ class TrainerX(_EngineTrainerX):
         self._step = step = _Step(batch)
         try:
             summary = self.forward_backward(batch)
+        except Exception as e:
+            where = f"epoch {self.epoch + 1}, batch {self.batch_idx + 1}"
+            _raise_file_error(type(self), e, f"in a training step (forward_backward, {where})")
+            raise
         finally:
             self._step = None
         if step.updates == 0 and self.optim_step.sharpness_active(self.epoch):

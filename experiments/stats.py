@@ -14,7 +14,7 @@ the statistics below work on per-seed differences, never on two independent mean
   size with the observed seed spread: the smallest ``n`` with
   ``(t_{n-1, 1-alpha/2} + t_{n-1, power}) * sd / sqrt(n) <= |delta|`` (95% interval, 80% power).
 
-Used by ``tools/make_tables.py`` and ``tools/report.py``; ``hm`` and ``per_seed_hm`` are the
+Used by ``tools/make_tables.py`` and ``experiments/report.py``; ``hm`` and ``per_seed_hm`` are the
 harmonic mean of base and new accuracy as everywhere in this code base.
 
 Example::
@@ -230,11 +230,17 @@ def seeds_needed(
     return None
 
 
-def describe_methods(confidence: float = CONFIDENCE, n_boot: int = N_BOOT) -> str:
-    """One sentence stating the interval and test methods (printed under every comparison)."""
+def describe_methods(
+    confidence: float = CONFIDENCE, n_boot: int = N_BOOT, averages: bool = True
+) -> str:
+    """One sentence stating the interval and test methods (printed under every comparison);
+    ``averages``: include the average rows' bootstrap and Wilcoxon test."""
     c = f"{confidence:.0%}"
+    text = f"differences a - b over paired seeds with a {c} Student-t interval"
+    if not averages:
+        return text
     return (
-        f"differences a - b over paired seeds with a {c} Student-t interval; average rows: "
-        f"{c} percentile bootstrap over dataset x seed ({n_boot:,} resamples, RNG seed "
-        f"{BOOT_SEED}) and p of a two-sided Wilcoxon signed-rank test over datasets"
+        f"{text}; average rows: {c} percentile bootstrap over dataset x seed ({n_boot:,} "
+        f"resamples, RNG seed {BOOT_SEED}) and p of a two-sided Wilcoxon signed-rank test over "
+        "datasets"
     )

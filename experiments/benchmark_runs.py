@@ -23,8 +23,8 @@ import time
 from functools import partial
 from types import SimpleNamespace
 
-from tools._repo import ROOT
-from tools.benchmark_steps import device_description
+from experiments import ROOT
+from experiments.benchmark_steps import device_description
 
 # -- whole runs: fixed cost, runs per process, the paper grid's GPU-hours (--runs) -------------
 # The released code's costs as the issue measured them on one H200 (fp16 CoOp, random ViT-B/16,
@@ -164,7 +164,7 @@ def packed_wall(runs: list[list[str]], workers: int) -> float:
     import threading
     from queue import Empty, Queue
 
-    from tools.worker import Worker
+    from experiments.worker import Worker
 
     queue: Queue = Queue()
     for argv in runs:
@@ -198,8 +198,8 @@ def grid_training_steps() -> list[tuple[str, str, int]]:
     """``(stage, optimizer, optimizer steps)`` of every run of ``tools/grid.py --preset paper``
     (evaluations: 0 steps), from the runs' merged configs and the datasets' class counts."""
     from engine.cli import build_parser, setup_cfg
-    from tools.grid import expand, repro_modes, select
-    from tools.protocols import Setup
+    from experiments.grid_plan import expand, repro_modes, select
+    from experiments.protocols import Setup
 
     args = SimpleNamespace(preset="paper", repro=None)
     setup = Setup(data="DATA", repro=repro_modes(args)[0])

@@ -9,6 +9,7 @@ import json
 import os
 import os.path as osp
 
+import numpy as np
 import yaml
 
 # One colour per optimizer setting, the same in every plot (matplotlib's tab10 colours).
@@ -55,6 +56,27 @@ def color_of(name: str, index: int = 0) -> str:
     return OPTIM_COLORS.get(name, _EXTRA_COLORS[index % len(_EXTRA_COLORS)])
 
 
+def mark_identical(labels: list[str], series: list) -> tuple[list[str], list[str]]:
+    """``(legend labels, line styles)`` of curves drawn in order: a curve whose values equal an
+    earlier one's (to 1e-6 relative) would hide it, so it is drawn dashed and its label says
+    ``"X (identical to Y)"``; the others keep their label and a solid line."""
+    arrays = [np.asarray(v, dtype=float) for v in series]
+    out_labels, styles = [], []
+    for i, (label, values) in enumerate(zip(labels, arrays)):
+        same = next(
+            (
+                labels[j]
+                for j in range(i)
+                if arrays[j].shape == values.shape
+                and np.allclose(arrays[j], values, rtol=1e-6, atol=1e-9, equal_nan=True)
+            ),
+            None,
+        )
+        out_labels.append(label if same is None else f"{label} (identical to {same})")
+        styles.append("-" if same is None else "--")
+    return out_labels, styles
+
+
 def run_colors(optims: list[str]) -> list[str]:
     """Colours of runs: by optimizer when each run has its own, else one per run (tab10)."""
     if len(set(optims)) == len(optims):
@@ -83,13 +105,16 @@ def optimizer_name(cfg: dict) -> str:
 
 
 def run_label(cfg: dict) -> str:
-    """``Trainer+optimizer`` of a run config, e.g. ``CoOp+sample``."""
+    """The tables' name of a run config's method, e.g. ``CoOp+SAMPLe`` (``CoOp`` for SGD)."""
+    from experiments.paper_results import row_title
+
     trainer = (cfg.get("TRAINER") or {}).get("NAME") or "?"
-    return f"{trainer}+{optimizer_name(cfg)}"
+    return row_title(trainer, optimizer_name(cfg))
 
 
 def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str]:
-    """Unique labels for run folders: ``labels`` if given, else ``Trainer+optimizer``.
+    """Unique labels for run folders: ``labels`` if given, else the tables' method names
+    (``CoOp+SAMPLe``, :func:`run_label`).
 
     Runs that share a label get their seed appended; runs that still share one are named by
     their folder path below the common parent.

@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 
 from engine.cost import read_cost
-from tools.paper_results import row_title
-from tools.tables_model import Cell, Table
+from experiments.paper_results import row_title
+from experiments.tables_model import Cell, Table
 
 COST_HEADERS = ["Method", "Time/run (s)", "x SGD", "Step (ms)", "Peak memory (MB)", "Runs"]
 COST_FORMATS = [".1f", ".2f", ".1f", ".0f", ".0f"]

@@ -1,4 +1,4 @@
-"""The SAMPLe paper's result tables, kept as data (``tools/paper_results.csv``).
+"""The SAMPLe paper's result tables, kept as data (``experiments/paper_results.csv``).
 
 The CSV has one row per published number: ``table,trainer,optimizer,dataset,metric,value``.
 
@@ -152,9 +152,15 @@ def average_conventions(trainer: str, optimizer: str, metric: str) -> tuple[floa
     return mean("hm"), 2 * base * new / (base + new)
 
 
+ZERO_SHOT = ("CLIP", "zeroshot")  # the zero-shot CLIP row of the tables (make_tables --zeroshot)
+
+
 def row_title(trainer: str, optimizer: str) -> str:
     """The paper's row label: ``CoOp`` for the plain method, ``CoOp+SAMPLe`` otherwise; a row of
-    a reproduction mode (``sample@released``) ends with the mode: ``CoOp+SAMPLe [released]``."""
+    a reproduction mode (``sample@released``) ends with the mode: ``CoOp+SAMPLe [released]``;
+    :data:`ZERO_SHOT` is ``Zero-shot CLIP``."""
+    if (trainer, optimizer) == ZERO_SHOT:
+        return "Zero-shot CLIP"
     name, mode = split_mode(optimizer)
     title = trainer + OPTIMIZER_TITLES.get(name, f"+{name}")
     return f"{title} [{mode}]" if mode else title
@@ -165,7 +171,7 @@ def load_paper_results(path: str = PAPER_CSV) -> dict[tuple[str, str, str, str, 
     """Read the paper's numbers.
 
     Args:
-        path: the CSV file (default: ``tools/paper_results.csv``).
+        path: the CSV file (default: ``experiments/paper_results.csv``).
 
     Returns:
         ``{(table, trainer, optimizer, dataset, metric): value}``.

@@ -1,5 +1,5 @@
 """The table model shared by ``tools/make_tables.py`` (which builds and renders the tables) and
-``tools/report.py`` (which draws them as HTML): cells, paired-difference cells, method pairs,
+``experiments/report.py`` (which draws them as HTML): cells, paired-difference cells, method pairs,
 format-independent tables with their CSV records, the cell texts and the legend under them, and
 :class:`Results`, what the tables were built from.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tools.paper_results import row_title
-from tools.parse_results import SeedStats
-from tools.stats import Diff, describe_methods
+from experiments.paper_results import row_title
+from experiments.results import SeedStats
+from experiments.stats import Diff, describe_methods
 
 MARK = "\u2020"  # dagger: the difference's interval contains 0
 RECORD_FIELDS = (
@@ -185,7 +185,7 @@ def _num(v: float | None, signed: bool = False) -> str:
 
 def _ours(cell: Cell, std: bool) -> str:
     text = _num(cell.value)
-    if cell.value is not None and std and cell.std is not None:
+    if cell.value is not None and std and cell.std is not None and cell.n > 1:  # 1 seed: none
         text += f"±{cell.std:.2f}"
     return text + ("" if cell.complete or cell.value is None else "*")
 
@@ -235,22 +235,51 @@ def render_rows(table: Table, std: bool, mark: str = MARK) -> list[list[str]]:
     return out
 
 
-def legend(tables: list[Table], mark: str = MARK) -> list[str]:
-    """The lines under the tables: how to read the cells and the marks."""
-    lines = ["cells: ours (paper, ours - paper); * = not every seed has a result (listed)"]
+def _cells(tables: list[Table]):
+    return [c for t in tables for row in t.rows for c in row[1:] if isinstance(c, Cell)]
+
+
+STD_TEXT = "±: the standard deviation of the seeds' values (population: divided by n, not n - 1)"
+
+
+def legend(tables: list[Table], mark: str = MARK, std: bool = False) -> list[str]:
+    """The lines under the tables: how to read the cells and the marks, each line only when the
+    tables hold what it explains."""
+    cells = _cells(tables)
+    lines = []
+    if any(c.paper is not None for c in cells):
+        lines.append("cells: ours (paper, ours - paper)")
+    if any(not c.complete and c.value is not None for c in cells):
+        lines.append("* = not every seed has a result (listed under the table)")
+    if std and any(c.std is not None and c.n > 1 for c in cells):
+        lines.append(STD_TEXT)
     diffs = [t.diffs for t in tables if t.diffs is not None]
-    if diffs:
-        lines.append(
-            f"differences: a - b [interval] (p: Wilcoxon, average rows; HM: of each seed's Base "
-            f"and New); {mark} = the interval contains 0: not resolved by the seeds"
+    dcells = [c for t in diffs for r in t.rows for c in r[1:] if c.diff is not None]
+    if dcells:
+        wilcoxon = "p: Wilcoxon over datasets, average rows; " * any(
+            c.diff.p is not None for c in dcells
         )
-        lines.append(describe_methods())
-    if any(c.needed is not None for t in diffs for r in t.rows for c in r[1:]):
+        lines.append(
+            f"differences: a - b [interval] ({wilcoxon}HM: of each seed's Base and New); "
+            f"{mark} = the interval contains 0: not resolved by the seeds"
+        )
+        lines.append(describe_methods(averages=any(c.diff.method != "t" for c in dcells)))
+    if any(c.needed is not None for c in dcells):
         lines.append(
             "need N: seeds a paired t-test would need to resolve the difference (95% interval, "
             "80% power, the observed seed spread)"
         )
     return lines
+
+
+def empty_paper_columns(table: Table) -> list[int]:
+    """Indices of the ``paper``/``diff`` columns of a base-to-new table without any published
+    number (e.g. a dataset or trainer the paper does not have): left out when rendered."""
+    if not table.headers or not all(isinstance(c, Cell) for row in table.rows for c in row[1:]):
+        return []
+    if any(c.paper is not None for row in table.rows for c in row[1:]):
+        return []
+    return [i for i, h in enumerate(table.headers) if h.endswith((" paper", " diff"))]
 
 
 @dataclass

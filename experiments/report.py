@@ -2,13 +2,15 @@
 
 ``DIR/index.html`` holds, without any network access (charts are PNGs embedded as base64):
 
-- the paired differences of each table (a - b with their intervals, ``tools/stats.py``) as a
+- the paired differences of each table (a - b with their intervals, ``experiments/stats.py``) as a
   chart and as tables, intervals that contain 0 marked and drawn grey;
-- per base-to-new dataset, a bar chart of Base / New / HM per method: bars are seed means, the
-  black whiskers the seed range (min to max), dots the single seeds, white diamonds the paper's
-  numbers (``tools/paper_results.py``); the same for the cross-dataset and domain generalization
+- per base-to-new dataset, a bar chart of Base / New / HM per method (the zero-shot CLIP row
+  first with ``--zeroshot``): bars are seed means on a y-axis from 0, the black whiskers the seed
+  range (min to max), dots the single seeds, white diamonds the paper's numbers
+  (``experiments/paper_results.py``); the same for the cross-dataset and domain generalization
   columns;
-- the result tables (as ``make_tables.py`` prints them) with their notes;
+- the result tables (as ``make_tables.py`` prints them, paper columns only where the paper has
+  numbers) with their notes; the legend explains only what the page holds;
 - every run behind the numbers with a relative link to its log file.
 
 A small script sets ``data-report="ok"`` on ``<body>`` once the page has loaded and every chart
@@ -26,12 +28,20 @@ import os
 import os.path as osp
 import urllib.parse
 
-from tools.paper_results import paper_value, row_title
-from tools.parse_results import log_files, read_run
-from tools.plotting import color_of, pyplot
-from tools.protocols import SOURCE_DATASET, dataset_title
-from tools.stats import describe_methods, per_seed_hm
-from tools.tables_model import MARK, DiffCell, Results, Table, legend, render_rows
+from experiments.paper_results import paper_value, row_title
+from experiments.plotting import color_of, pyplot
+from experiments.protocols import SOURCE_DATASET, dataset_title
+from experiments.results import log_files, read_run
+from experiments.stats import per_seed_hm
+from experiments.tables_model import (
+    MARK,
+    DiffCell,
+    Results,
+    Table,
+    empty_paper_columns,
+    legend,
+    render_rows,
+)
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }
@@ -92,15 +102,16 @@ def _seed_values(results: Results, table: str, row, dataset: str, metric: str) -
     return list(st.values.values()) if st is not None else []
 
 
-def bar_chart(results: Results, table: str, rows, groups, title: str) -> str | None:
-    """Grouped bars: one group per ``(label, dataset, metric)``, one bar per method row."""
+def bar_figure(results: Results, table: str, rows, groups, title: str):
+    """The matplotlib figure of :func:`bar_chart` (None: no row has a value), and whether it
+    draws a paper's number. The y-axis starts at 0, so bar heights compare as ratios."""
     plt = pyplot()
     rows = [r for r in rows if any(_seed_values(results, table, r, d, m) for _, d, m in groups)]
     if not rows:
-        return None
+        return None, False
     width = 0.8 / len(rows)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(groups) * max(1, len(rows) / 3)), 3.4))
-    lows, paper_shown = [], False
+    highs, paper_shown = [], False
     for i, row in enumerate(rows):
         color, label = color_of(row[1], i), row_title(*row)
         for j, (_, dataset, metric) in enumerate(groups):
@@ -114,20 +125,26 @@ def bar_chart(results: Results, table: str, rows, groups, title: str) -> str | N
                     x, mean, [[mean - min(vals)], [max(vals) - mean]], color="black", capsize=2
                 )
                 ax.scatter([x] * len(vals), vals, s=7, color="black", zorder=3)
-                lows.append(min(vals))
+                highs.append(max(vals))
             paper = paper_value(table, *row, dataset, metric)
             if paper is not None:
                 style = dict(marker="D", s=28, facecolor="white", edgecolor="black", zorder=4)
                 ax.scatter(x, paper, label=None if paper_shown else "paper", **style)
                 paper_shown = True
-                lows.append(paper)
+                highs.append(paper)
     ax.set_xticks(range(len(groups)), [g[0] for g in groups])
-    ax.set_ylim(max(0.0, min(lows) - 8), None)
+    ax.set_ylim(0.0, min(100.0, max(highs) + 5))
     ax.set_ylabel("accuracy (%)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
-    return chart(fig, f"{title} bar chart")
+    return fig, paper_shown
+
+
+def bar_chart(results: Results, table: str, rows, groups, title: str) -> str | None:
+    """Grouped bars: one group per ``(label, dataset, metric)``, one bar per method row."""
+    fig, _ = bar_figure(results, table, rows, groups, title)
+    return None if fig is None else chart(fig, f"{title} bar chart")
 
 
 def diff_chart(table: Table) -> str | None:
@@ -156,12 +173,15 @@ def diff_chart(table: Table) -> str | None:
 
 # -- HTML -------------------------------------------------------------------------------------
 def table_html(table: Table, std: bool) -> str:
-    """A :class:`Table` as an HTML table (cells as ``make_tables.py`` prints them)."""
+    """A :class:`Table` as an HTML table (cells as ``make_tables.py`` prints them; the paper
+    columns of a table without published numbers left out, as there)."""
     e = html.escape
-    head = "".join(f"<th>{e(h)}</th>" for h in table.headers)
+    keep = [i for i in range(len(table.headers)) if i not in empty_paper_columns(table)]
+    head = "".join(f"<th>{e(table.headers[i])}</th>" for i in keep)
     is_diff = any(isinstance(c, DiffCell) for row in table.rows for c in row[1:])
     body = []
-    for row in render_rows(table, std):
+    for full in render_rows(table, std):
+        row = [full[i] for i in keep]
         cells = [f"<td>{e(row[0])}</td>"]
         for text in row[1:]:
             cls = ""
@@ -220,14 +240,14 @@ def runs_html(results: Results, out_dir: str) -> str:
     )
 
 
-def _value_charts(results: Results) -> list[str]:
-    """Bar charts: each base-to-new dataset (and the average's datasets), each transfer table."""
-    parts = []
+def _value_charts(results: Results) -> tuple[list[str], bool]:
+    """Bar charts: each base-to-new dataset (and the average's datasets), each transfer table;
+    and whether any of them draws a paper's number."""
+    figures = []
     for d in results.datasets:
         groups = [("Base", d, "base"), ("New", d, "new"), ("HM", d, "hm")]
         title = f"Base-to-new: {dataset_title(d)}"
-        img = bar_chart(results, "base2new", results.rows, groups, title)
-        parts += [img] if img else []
+        figures.append((bar_figure(results, "base2new", results.rows, groups, title), title))
     for table, name in (
         ("cross_dataset", "Cross-dataset"),
         ("domain_gen", "Domain generalization"),
@@ -235,9 +255,24 @@ def _value_charts(results: Results) -> list[str]:
         cols = [SOURCE_DATASET, *results.targets.get(table, [])]
         if len(cols) > 1:
             groups_ = [(dataset_title(c), c, "acc") for c in cols]
-            img = bar_chart(results, table, results.rows, groups_, name)
-            parts += [img] if img else []
-    return parts
+            figures.append((bar_figure(results, table, results.rows, groups_, name), name))
+    parts = [chart(fig, f"{title} bar chart") for (fig, _), title in figures if fig is not None]
+    return parts, any(paper for (_, paper), _ in figures)
+
+
+def chart_legend(bars: bool, paper: bool, diffs: bool) -> str:
+    """How to read the charts on the page: only what it draws."""
+    parts = []
+    if bars:
+        parts.append(
+            "bars = seed means (the y-axis starts at 0), whiskers = seed range (min to max), "
+            "dots = single seeds" + (", white diamonds = the paper's numbers" if paper else "")
+        )
+    if diffs:
+        parts.append(
+            f"difference charts: a - b with its interval; grey = the interval contains 0 ({MARK})"
+        )
+    return f"Charts: {'; '.join(parts)}." if parts else ""
 
 
 def render_report(results: Results, out_dir: str, std: bool = False, title: str = "") -> str:
@@ -247,28 +282,28 @@ def render_report(results: Results, out_dir: str, std: bool = False, title: str 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     n_runs = sum(len(v) for v in results.folders.values())
     with_diffs = [t for t in results.tables if t.diffs is not None]
+    diff_parts = []
+    for t in with_diffs:
+        img = diff_chart(t.diffs)
+        diff_parts += ([img] if img else []) + [table_html(t.diffs, std)]
+    bars, paper = _value_charts(results)
+    lines = [*legend(results.tables, std=std), chart_legend(bool(bars), paper, bool(diff_parts))]
     parts = [
         f"<h1>{e(title)}</h1>",
         f"<p>{len(results.rows)} methods: {e(', '.join(row_title(*r) for r in results.rows))}; "
         f"{n_runs} run results read on {stamp}.</p>",
-        '<div class="legend"><ul>' + "".join(f"<li>{e(x)}</li>" for x in legend(results.tables)),
-        f"<li>Charts: bars = seed means, whiskers = seed range, dots = seeds, diamonds = the "
-        f"paper's numbers; differences in grey have an interval that contains 0 ({MARK}).</li>",
+        '<div class="legend"><ul>' + "".join(f"<li>{e(x)}</li>" for x in lines if x),
         "</ul></div>",
         "<h2>Paired differences</h2>",
     ]
     if not with_diffs:
         parts.append("<p>No pair of methods to compare in this grid (use --compare A B).</p>")
-    for t in with_diffs:
-        img = diff_chart(t.diffs)
-        parts += ([img] if img else []) + [table_html(t.diffs, std)]
-    parts += ["<h2>Accuracy per dataset</h2>", *_value_charts(results), "<h2>Tables</h2>"]
-    for t in results.tables:
+    parts += diff_parts
+    parts += ["<h2>Accuracy per dataset</h2>", *bars, "<h2>Tables</h2>"]
+    for t in results.tables:  # their paired differences are above, once
         parts.append(table_html(t, std))
-        if t.diffs is not None:
-            parts.append(table_html(t.diffs, std))
     parts += ["<h2>Runs and logs</h2>", runs_html(results, out_dir)]
-    parts.append(f'<p class="notes">{e(describe_methods())}.</p>')
+
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>{e(title)}</title><style>{CSS}</style></head>\n"

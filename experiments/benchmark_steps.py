@@ -4,7 +4,8 @@ Drives the registered trainers (CoOp, CoCoOp, TCP, MaPLe, CoPrompt, KgCoOp, IVLP
 missing ones are skipped with a note) through their real step protocol
 (``trainer.forward_backward(batch)``) on ViT-B/16-sized
 CLIP models with random weights (no download) and synthetic batches at each trainer's base-to-new
-settings (its ``tools/protocols.py`` config: batch size, context length, prompt depth, precision;
+settings (its ``experiments/protocols.py`` config: batch size, context length, prompt depth,
+precision;
 50 base classes), for SGD (the trainer's base optimizer), SAM, SAGM and SAMPLe with the paper's
 values (``configs/optim/<trainer>/``; staged configs are measured in their sharpness-aware stage).
 Every measurement is repeated in the same process for the *reference style* of the original code
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 
 from engine.clip.text import full_length_prompts
 from engine.compile import CHECKED_CALLS, compiled_forwards, resolve_compile
-from tools._repo import ROOT
+from experiments import ROOT
 
 logger = logging.getLogger("benchmark")
 
@@ -296,8 +297,8 @@ def on_synthetic_classes(base: type, classnames: list[str]) -> type:
 
 
 def trainer_config_file(trainer: str) -> str:
-    """The trainer's base-to-new config (tools/protocols.py)."""
-    from tools.protocols import BASE2NEW_CFG
+    """The trainer's base-to-new config (experiments/protocols.py)."""
+    from experiments.protocols import BASE2NEW_CFG
 
     return osp.join(ROOT, "configs", "trainers", trainer, f"{BASE2NEW_CFG[trainer]}.yaml")
 

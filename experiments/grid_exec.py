@@ -1,6 +1,6 @@
 """How the grid runs a chain: run counters with an ETA, and the execution of a chain's
 unfinished runs as processes or in an in-process worker. Shared by the local grid
-(``tools/grid.py``) and the SLURM jobs (``tools/grid_slurm.py``), which import it, never each
+(``tools/grid.py``) and the SLURM jobs (``experiments/grid_slurm.py``), which import it, never each
 other's modules for it.
 """
 
@@ -17,8 +17,8 @@ import subprocess
 import threading
 import time
 
-from tools.parse_results import read_run
-from tools.protocols import Chain, ProtocolError, Run, Setup, load_epoch, run_status
+from experiments.protocols import Chain, ProtocolError, Run, Setup, load_epoch, run_status
+from experiments.results import read_run
 
 
 class GridError(ValueError):

@@ -50,8 +50,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 
-from tools.paper_results import DATASET_TITLES, TARGETS_BY_TABLE
-from tools.parse_results import read_run
+from experiments.paper_results import DATASET_TITLES, TARGETS_BY_TABLE
+from experiments.results import read_run
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CHECK_DATA_TOOL = osp.join(REPO, "tools", "check_data.py")  # the datasets' checker
@@ -562,8 +562,30 @@ def dataset_registry_name(stem: str) -> str:
     return name
 
 
-def check_data(root: str, stems: list[str], plugins: tuple[str, ...] = ()) -> str | None:
-    """Run the datasets' checker on ``stems``; returns a problem or None.
+def shots_warnings(chains: list[Chain], setup: Setup) -> list[str]:
+    """One line per folder dataset of ``chains`` whose classes are too small for the grid's
+    shots (the check of ``tools/check_data.py --shots``; also printed by a dry run)."""
+    from datasets.folder import shots_problem
+    from engine.errors import DataError
+
+    out = []
+    stems = dict.fromkeys(r.dataset for c in chains for r in c.runs if r.stage == "train")
+    for stem in stems:
+        name = dataset_registry_name(stem)
+        if not name.startswith(FOLDER_PREFIX) or not setup.data:
+            continue
+        try:
+            problem = shots_problem(setup.data, name[len(FOLDER_PREFIX) :], setup.shots)
+        except (DataError, OSError):
+            continue  # the data check names it
+        out += [f"{name}: {problem}"] if problem else []
+    return out
+
+
+def check_data(
+    root: str, stems: list[str], plugins: tuple[str, ...] = (), shots: int = 16
+) -> str | None:
+    """Run the datasets' checker on ``stems`` (``--shots shots``); returns a problem or None.
 
     This is the one place that calls ``tools/check_data.py --root ROOT NAME ...`` (registry
     names). Without that tool the check is skipped with a message (train.py still stops at
@@ -574,7 +596,8 @@ def check_data(root: str, stems: list[str], plugins: tuple[str, ...] = ()) -> st
     if not osp.isfile(tool):
         print(f"note: tools/check_data.py not found: data check of {', '.join(names)} skipped")
         return None
-    cmd = [sys.executable, tool, "--root", root, *[f"--plugin={p}" for p in plugins], *names]
+    cmd = [sys.executable, tool, "--root", root, *[f"--plugin={p}" for p in plugins]]
+    cmd += [f"--shots={shots}", *names]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     out = (proc.stdout + proc.stderr).strip()
     if proc.returncode == 0:
@@ -659,7 +682,7 @@ def preflight(chains: list[Chain], setup: Setup, data: bool = True) -> list[str]
     if data:
         stems = list(dict.fromkeys(r.dataset for c in chains for r in c.runs))
         try:
-            problems.append(check_data(setup.data, stems, setup.plugins))
+            problems.append(check_data(setup.data, stems, setup.plugins, setup.shots))
         except ProtocolError as e:
             problems.append(str(e))
     seen = set()

@@ -18,8 +18,8 @@ import tempfile
 
 import torch
 
-from tools.benchmark_efficient import efficient_measure
-from tools.benchmark_steps import (
+from experiments.benchmark_efficient import efficient_measure
+from experiments.benchmark_steps import (
     TRAINERS,
     Settings,
     bench_cfg,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from engine.compile import CHECKED_CALLS
-from tools.benchmark_steps import (
+from experiments.benchmark_steps import (
     Settings,
     bench_cfg,
     build,
@@ -29,7 +29,7 @@ from tools.benchmark_steps import (
     synthetic_batch,
     write_json,
 )
-from tools.paper_results import EFFICIENT_OPTIMIZERS
+from experiments.paper_results import EFFICIENT_OPTIMIZERS
 
 logger = logging.getLogger("benchmark")
 

@@ -37,8 +37,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tools.parse_results import read_run
-from tools.protocols import REPO, Chain, Setup, run_status
+from experiments.protocols import REPO, Chain, Setup, run_status
+from experiments.results import read_run
 
 JOBS_FILE = "jobs.jsonl"
 # SLURM job states (sacct/squeue, first word) -> the chain's state while its runs are not done
@@ -65,7 +65,7 @@ class ChainJob:
     """
 
     def __call__(self, chain: Chain, setup: Setup) -> str:
-        from tools.grid_exec import Progress, execute_chain
+        from experiments.grid_exec import Progress, execute_chain
 
         attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
         todo = sum(run_status(r) != "done" for r in chain.runs)
@@ -118,7 +118,7 @@ def slurm_folder(output: str) -> str:
 
 def submitit_params(args) -> dict:
     """The submitit parameters of ``tools/grid.py --slurm-*`` options."""
-    from tools.grid_exec import GridError
+    from experiments.grid_exec import GridError
 
     if args.slurm_gpus < 0 or args.slurm_time < 1:
         raise GridError("--slurm-gpus must be >= 0 and --slurm-time >= 1 (minutes)")
@@ -156,7 +156,7 @@ def submit(chains: list[Chain], setup: Setup, args) -> list:
     Chains are recorded in ``<output>/slurm/jobs.jsonl``; on a failed submission everything it
     wrote under ``<output>/slurm/`` is removed and a GridError names sbatch's complaint.
     """
-    from tools.grid_exec import GridError
+    from experiments.grid_exec import GridError
 
     try:
         import submitit
@@ -363,7 +363,7 @@ def _end_line(state: str, record: dict, detail: str) -> str:
 def wait(records: list[dict], poll_s: float = 30.0) -> int:
     """Wait until every recorded chain's job ended, printing each requeue and each chain's end
     (done, failed with its logs, cancelled); 0 when every chain is done, else 1."""
-    from tools.grid_exec import GridError
+    from experiments.grid_exec import GridError
 
     source, _ = slurm_jobs([r["job_id"] for r in records])
     if not source:
