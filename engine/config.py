@@ -195,37 +195,9 @@ _C.OPTIM.LR_STEP_PER_BATCH = False
 _C.OPTIM.SAM = CN()
 # "" (plain base optimizer) | sam | fsam | sagm | sample | looksam | esam | rwp | mrwp | saf | mesa
 _C.OPTIM.SAM.NAME = ""
-# paper (the equations as written) | reference (the released code) | reference-cocoop (sample
-# only: the SAMPLe authors' CoCoOp copy, SAGM-like without the moving average)
-_C.OPTIM.SAM.VARIANT = "paper"
-# Update gradient of sagm/sample: "" (the variant's own: paper g + g_p, reference mean) |
-# sum (g + g_p) | mean (0.5 g + 0.5 g_p; with SGD half the step of sum). Ignored by sam/fsam.
-_C.OPTIM.SAM.UPDATE = ""
-_C.OPTIM.SAM.RHO = 0.05  # perturbation radius rho
-_C.OPTIM.SAM.ALPHA = 0.0015  # SAGM/SAMPLe step alpha along the (batch-specific) gradient
-_C.OPTIM.SAM.LAMBDA = 0.15  # F-SAM/SAMPLe moving-average factor lambda of the full-gradient EMA
-_C.OPTIM.SAM.SIGMA = 1.0  # F-SAM scale of the removed full-gradient component
-_C.OPTIM.SAM.ADAPTIVE = False  # SAM only: ASAM's scale-invariant perturbation
-_C.OPTIM.SAM.SCHEDULE = "constant"  # rho/alpha schedule: constant | inv_sqrt (paper's theorem)
-# The cheaper sharpness-aware optimizers (docs/efficient-sharpness.md; their defaults there)
-# Lookahead (looksam; sample): the second pass every EVERY steps (steps t with t mod k == 0, the
-# first step included); in between the stored part g_v of the perturbed gradient orthogonal to
-# g is reused, scaled to LOOK_ALPHA * ||g||. 0: the optimizer's own k (looksam 5, sample 1)
-_C.OPTIM.SAM.EVERY = 0
-_C.OPTIM.SAM.LOOK_ALPHA = 0.7  # scale of the reused orthogonal component (LookSAM's alpha)
-_C.OPTIM.SAM.BETA = 0.6  # esam: fraction of the weights perturbed (SWP), in (0, 1]
-_C.OPTIM.SAM.GAMMA = 0.5  # esam: fraction of the batch in the second pass (SDS), in (0, 1]
-# esam: the selected pass: subset (the authors': a forward without gradients on the batch, then
-# forward + backward on the selected items) | masked (one forward with gradients on the batch,
-# backward of the selected items' loss: cheaper when the work does not grow with the items, CoOp)
-_C.OPTIM.SAM.SELECT_PASS = "subset"
-_C.OPTIM.SAM.NOISE = 0.01  # rwp/mrwp: Gaussian noise std per filter, relative to its L2 norm
-_C.OPTIM.SAM.MIX = 0.5  # mrwp: update = MIX * g(w + noise) + (1 - MIX) * g(w)
-_C.OPTIM.SAM.TRAJ_WEIGHT = -1.0  # saf/mesa: weight lambda of the KL term; < 0: saf 0.3, mesa 0.8
-_C.OPTIM.SAM.TEMPERATURE = 5.0  # saf/mesa: softmax temperature tau of the KL term
-_C.OPTIM.SAM.TRAJ_START = 0  # saf/mesa: first epoch (0-based) with the KL term
-_C.OPTIM.SAM.EPOCHS_BACK = 2  # saf: the KL target is the output recorded E epochs earlier
-_C.OPTIM.SAM.EMA_DECAY = 0.9998  # mesa: decay of the EMA of the learnable weights, per step
+# The optimizers' hyper-parameters (RHO, ALPHA, LAMBDA, ..., VARIANT, SCHEDULE: one key per
+# HParam) are declared next to each optimizer in optim/ (its HParam: key, default, help, range)
+# and added to this node by get_base_cfg_default() (listed in docs/optimizers.md)
 # Staged training (optim/staging.py). The paper's two stages: with STAGE2_EPOCHS > 0, stage 1 is
 # the trainer's whole published schedule (OPTIM.MAX_EPOCH epochs, warmup and LR schedule
 # included) with the base optimizer on all learnable parameters; stage 2 ADDS STAGE2_EPOCHS

@@ -19,9 +19,11 @@ batch and loss terms; the run folder is marked as diverged), writes per-step dia
 steps the LR scheduler once per epoch (and, with ``OPTIM.LR_STEP_PER_BATCH``, after every batch
 of the sharpness-aware stage too).
 
-The other concerns live next to this file: checkpoint I/O (:mod:`engine.checkpoint`), scalar
+The other concerns live next to this file: the step protocol's trainer methods and Dassl's
+step names (:mod:`engine.step_protocol`), checkpoint I/O (:mod:`engine.checkpoint`), scalar
 writers (:mod:`engine.writers`), evaluation and the feature cache (:mod:`engine.evaluation`);
-the staging rule is :mod:`optim.staging`.
+the staging rule is :mod:`optim.staging`. The step's contract (``begin_step`` before the first
+forward, what the optimizer needs) is checked by the optimizer step itself.
 
 A trainer's model can be built without any dataset: ``build_trainer(cfg, classnames=[...])``
 (or ``Trainer(cfg, classnames=...)``) skips the data loaders.
@@ -39,14 +41,13 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from optim.sharpness import STEP_NEEDS
 from optim.staging import total_epochs
 from optim.step import PassOutputs, StepBatch, build_step
 
 from .checkpoint import CheckpointMixin
-from .clip.text import shared_prefix_text
 from .compile import AUTO, compile_encoders, eager, mark_step, resolve_compile
 from .cost import RunCost
 from .data import DataManager
@@ -56,6 +57,7 @@ from .evaluator import build_evaluator
 from .finite import FiniteWatch
 from .registry import TRAINER_REGISTRY
 from .run_folder import clear_divergence, write_divergence
+from .step_protocol import STEP_FIX, DasslStepNames, StepProtocol, batch_len
 from .utils import AverageMeter, MetricMeter, epoch_seed, set_random_seed
 from .validate import validate_cfg
 from .writers import ScalarWriter
@@ -69,34 +71,6 @@ PRECISIONS = ("fp32", "fp16", "amp", "bf16")
 # MaPLe, PromptSRC and KgCoOp); each is written alone on its line, as their parsers compare
 # whole (stripped) lines.
 TRAIN_END_LINES = ("Finish training", "Finished training")
-
-_DASSL_STEP_HINT = (
-    "This engine takes the optimizer step itself: state prepare_step(batch) (work without "
-    "gradients) and compute_loss(inputs) (the loss) in the trainer, and the engine's "
-    "forward_backward runs backward, the optimizer (sharpness-aware or not), AMP and staging"
-)
-
-
-def _batch_len(batch) -> int:
-    """Items in a training batch (its labels); a huge number when it has none, i.e. the batch
-    counts as full."""
-    label = batch.get("label") if isinstance(batch, dict) else None
-    return len(label) if label is not None else 1 << 62
-
-
-def _select(obj, subset: torch.Tensor, size: int):
-    """``obj`` with every tensor whose first dimension is ``size`` indexed by ``subset``, inside
-    tuples, lists and dicts; anything else unchanged."""
-    if isinstance(obj, torch.Tensor):
-        return obj[subset] if obj.dim() > 0 and obj.shape[0] == size else obj
-    if isinstance(obj, tuple):
-        items = [_select(o, subset, size) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, list):
-        return [_select(o, subset, size) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _select(v, subset, size) for k, v in obj.items()}
-    return obj
 
 
 def _scalar_row_before(row: dict, start_iter: int, start_epoch: int) -> bool:
@@ -126,10 +100,14 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor
 
 
-class TrainerBase(CheckpointMixin):
+class TrainerBase(DasslStepNames, CheckpointMixin):
     """Registered models/optimizers/schedulers, checkpoints, scalar writers and the epoch loop."""
 
     CONFIG_NODE: str | None = None  # TRAINER.<node> of this trainer; default: registry name
+    # The grid's default configs (configs/trainers/<name>/<cfg>.yaml; experiments/protocols.py):
+    # "base2new", "base2new/<dataset>" (a dataset's own), "transfer" (default: base2new's
+    # ImageNet config). Not inherited: a subclass registered under its own name states its own
+    PROTOCOL_CFGS: dict[str, str] = {}
     EVAL_ONLY = False  # True: nothing to train (zero-shot CLIP); grids and tests skip training
 
     @classmethod
@@ -303,30 +281,6 @@ class TrainerBase(CheckpointMixin):
     def model_inference(self, input):
         raise NotImplementedError
 
-    # -- Dassl names: routed through the engine's step, or refused with a pointer ----------
-    def detect_anomaly(self, loss: torch.Tensor) -> None:
-        if not torch.isfinite(loss).all():
-            raise FloatingPointError("Loss is infinite or NaN!")
-
-    def model_zero_grad(self, names=None) -> None:
-        for name in self.get_model_names(names):
-            if self._optims[name] is not None:
-                self._optims[name].zero_grad(set_to_none=True)
-
-    def model_backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError(f"model_backward(): {_DASSL_STEP_HINT}")
-
-    def model_update(self, names=None) -> None:
-        raise NotImplementedError(f"model_update(): {_DASSL_STEP_HINT}")
-
-    def model_backward_and_update(self, loss: torch.Tensor, names=None) -> None:
-        """Dassl's one-call update, routed through the optimizer step (one-pass optimizers
-        only: a sharpness-aware optimizer needs compute_loss to re-evaluate the loss)."""
-        if names is not None and list(self.get_model_names(names)) != self.get_model_names():
-            raise NotImplementedError(f"model_backward_and_update(names=...): {_DASSL_STEP_HINT}")
-        self.detect_anomaly(loss)
-        self.optim_step(loss, None, self.epoch)
-
 
 class SimpleTrainer(EvaluationMixin, TrainerBase):
     """A trainer with one data manager, one evaluator and the engine's step protocol.
@@ -473,6 +427,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if self.dm is None:
             raise RuntimeError("This trainer was built from class names only: it has no data")
         self.optim_step.check(self.cfg.OPTIM.SAM.NAME, self.max_epoch)
+        self.optim_step.check_caller(self.step_gives(), f"{type(self).__name__}'s step", STEP_FIX)
         self.compile_model()
         directory = self.cfg.RESUME or self.cfg.OUTPUT_DIR
         self.start_epoch = self.resume_model_if_exist(directory)
@@ -570,7 +525,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
     # -- evaluation: engine.evaluation.EvaluationMixin -----------------------------------------
 
 
-class TrainerX(SimpleTrainer):
+class TrainerX(StepProtocol, SimpleTrainer):
     """A trainer over labelled data (``train_loader_x``) with the engine's step protocol."""
 
     # True: the engine steps the LR scheduler at the end of every epoch (and per batch with
@@ -581,47 +536,17 @@ class TrainerX(SimpleTrainer):
     _pass_outputs: PassOutputs | None = None  # what classification_loss recorded this pass
 
     # -- the step protocol ------------------------------------------------------------------
+    def step_gives(self) -> frozenset[str]:
+        """What this trainer's step gives the optimizer (:data:`optim.sharpness.STEP_NEEDS`):
+        everything with the engine's step (:meth:`forward_backward`), nothing with a
+        ``forward_backward`` or ``train_step`` of its own (one-pass optimizers only)."""
+        own = type(self).forward_backward is not TrainerX.forward_backward
+        own = own or type(self).train_step is not TrainerX.train_step
+        return frozenset() if own else frozenset(STEP_NEEDS)
+
     def parse_batch_train(self, batch):
         dev = self.device
         return batch["img"].to(dev, non_blocking=True), batch["label"].to(dev, non_blocking=True)
-
-    def prepare_step(self, batch_inputs):
-        """(a) The work of a step that does not depend on learnable parameters.
-
-        Runs once per step under ``torch.no_grad()`` and the precision's autocast. Default:
-        return the parsed batch unchanged.
-        """
-        return batch_inputs
-
-    def compute_loss(self, inputs):
-        """(b) The loss from the prepared inputs: ``loss`` or ``(loss, {name: scalar})``.
-
-        Called once per pass (twice per step with a sharpness-aware optimizer), under autocast.
-        """
-        raise NotImplementedError
-
-    def classification_loss(
-        self, logits: torch.Tensor, label: torch.Tensor, label_smoothing: float = 0.0
-    ) -> torch.Tensor:
-        """The cross-entropy of a training pass, ``F.cross_entropy(logits.float(), label)``
-        (with ``label_smoothing`` if given).
-
-        Records the pass's logits and labels for the optimizer step
-        (:class:`optim.step.PassOutputs`: per-item losses, the outputs of SAF/MESA); every
-        trainer computes its classification loss through it.
-        """
-        ce = F.cross_entropy(logits.float(), label, label_smoothing=label_smoothing)
-        self._pass_outputs = PassOutputs(logits, label, ce, label_smoothing)
-        return ce
-
-    def select_inputs(self, inputs, subset: torch.Tensor, size: int):
-        """The prepared inputs of the items ``subset`` (1-D indices) of a batch of ``size``.
-
-        Default: every tensor whose first dimension is ``size`` (in tuples, lists and dicts) is
-        indexed; override when the inputs hold a tensor of that leading size that is not per
-        item (e.g. per-class features when the classes may number ``size``).
-        """
-        return _select(inputs, subset, size)
 
     def model_outputs(self, image: torch.Tensor) -> ModelOutput:
         """Image features, text features and logits of ``image`` (a batch on the device) with
@@ -633,37 +558,13 @@ class TrainerX(SimpleTrainer):
         """Evaluation logits of a batch (default: ``model_outputs(input).logits``)."""
         return self.model_outputs(input).logits
 
-    def _loss(self, inputs):
-        with self.autocast():
-            out = self.compute_loss(inputs)
-        loss, summary = out if isinstance(out, tuple) else (out, {})
-        return loss, summary
-
     def train_step(self, batch) -> dict:
         """One training step as the epoch loop calls it (default: :meth:`forward_backward`)."""
         return self.forward_backward(batch)
 
-    def _pass(self, inputs, subset: torch.Tensor | None, size: int):
-        """One pass for the step: ``(loss, recorded outputs or None)`` on the batch or on the
-        items ``subset``. A smaller batch, and a pass without gradients (an optimizer's look at
-        the outputs), run the compiled encoders eagerly: the compiled graphs are the training
-        pass's. A pass without gradients also encodes the class prompts' common prefix once
-        (:func:`engine.clip.text.shared_prefix_text`: the same outputs up to fp32 rounding)."""
-        self._pass_outputs = None
-        if subset is not None:
-            inputs = self.select_inputs(inputs, subset, size)
-        no_grad = not torch.is_grad_enabled()
-        other = subset is not None or no_grad
-        with (
-            eager() if other and self.compiled_modules else nullcontext(),
-            shared_prefix_text() if no_grad else nullcontext(),
-        ):
-            loss, _ = self._loss(inputs)
-        return loss, self._pass_outputs
-
     def forward_backward(self, batch) -> dict:
         """One training step: prepare (no grad) -> loss -> the optimizer step (backward, update)."""
-        size = _batch_len(batch)
+        size = batch_len(batch)
         with self.compiled_batch(size, self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE):
             parsed = self.parse_batch_train(batch)
             with torch.no_grad(), self.autocast():

@@ -39,7 +39,8 @@ logger = logging.getLogger("benchmark")
 # configs/optim/<trainer>/<name>.yaml. A timed call is EFFICIENT_STEPS_PER_CALL
 # consecutive steps (one period of the k = 5 lookahead, so LookSAM and SAMPLe-k5 are timed over
 # their ascent and the steps between); SAF/MESA's trajectory term is on from the first step
-# (OPTIM.SAM.TRAJ_START 0; SAF at an epoch with records E epochs back: the KL is computed).
+# (OPTIM.SAM.TRAJ_START -1: from the first epoch; SAF at an epoch with records E epochs back:
+# the KL is computed).
 EFFICIENT_TRAINERS = ("CoOp", "CoCoOp", "MaPLe")
 EFFICIENT_STEPS_PER_CALL = 5
 EFFICIENT_CLASSES = 50  # base half of a typical dataset, whatever --small
@@ -95,7 +96,7 @@ def efficient_costs_of(trainer: str, s: Settings, tmp: str) -> list[dict]:
     fns, built, last = {}, [], {}
     for optim_name in EFFICIENT_OPTIMIZERS:
         out = osp.join(tmp, "out", "efficient", trainer, optim_name)
-        cfg = bench_cfg(trainer, optim_name, s, None, out, "OPTIM.SAM.TRAJ_START", "0")
+        cfg = bench_cfg(trainer, optim_name, s, None, out, "OPTIM.SAM.TRAJ_START", "-1")
         tr = build(cfg, names)
         if optim_name == "saf":  # records from E epochs back exist: the KL term is computed
             tr.epoch = max(tr.epoch, cfg.OPTIM.SAM.EPOCHS_BACK)

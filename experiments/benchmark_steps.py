@@ -298,9 +298,10 @@ def on_synthetic_classes(base: type, classnames: list[str]) -> type:
 
 def trainer_config_file(trainer: str) -> str:
     """The trainer's base-to-new config (experiments/protocols.py)."""
-    from experiments.protocols import BASE2NEW_CFG
+    from experiments.protocols import trainer_cfgs
 
-    return osp.join(ROOT, "configs", "trainers", trainer, f"{BASE2NEW_CFG[trainer]}.yaml")
+    cfg = trainer_cfgs(trainer)["base2new"]
+    return osp.join(ROOT, "configs", "trainers", trainer, f"{cfg}.yaml")
 
 
 def bench_cfg(trainer: str, optim_name: str, s: Settings, prec: str | None, out: str, *extra):

@@ -35,8 +35,9 @@ overlays that exist, in this order: ``configs/trainers/{trainer}/per_dataset/{da
 that config only); dataset = config stem of the TRAINING data (evaluation runs reuse their
 training run's files, so a model is always rebuilt as it was trained); then
 ``--optim-config-file``: ``configs/optim/{trainer}/{optim}.yaml``, else
-``configs/optim/{optim}.yaml``. Default configs per trainer are the tables below; the transfer
-protocols train with the trainer's ImageNet config unless ``TRANSFER_CFG`` names another.
+``configs/optim/{optim}.yaml``. Default configs per trainer are declared beside the trainer
+(``PROTOCOL_CFGS``: ``base2new``, ``base2new/<dataset>``, ``transfer``); the transfer protocols
+train with the trainer's ImageNet config unless its ``transfer`` entry names another.
 """
 
 from __future__ import annotations
@@ -59,27 +60,24 @@ PROTOCOLS = ("base2new", "cross_dataset", "domain_gen")
 TARGETS = TARGETS_BY_TABLE
 SOURCE_DATASET = "imagenet"
 
-# Default trainer configs (configs/trainers/<trainer>/<cfg>.yaml); override with --cfg / CFG=.
-BASE2NEW_CFG = {
-    "CoOp": "vit_b16_ctxv1",
-    "CoCoOp": "vit_b16_c4_ep10_batch1_ctxv1",
-    "MaPLe": "vit_b16_c2_ep5_batch4_2ctx",
-    "CoPrompt": "vit_b16_c2_ep8_batch4_2ctx",
-    "TCP": "vit_b16_ep100_ctxv1",
-    "KgCoOp": "vit_b16_ep100_ctxv1",
-    # PromptSRC's "vit_b16_c2_ep20_batch4_4+4ctx" under a name without '+' (a link to it)
-    "IVLP": "vit_b16_c2_ep20_batch4_4x4ctx",
-    "PromptSRC": "vit_b16_c2_ep20_batch4_4x4ctx",
-}
-DATASET_CFG = {  # base-to-new exceptions (the original scripts' per-dataset epochs)
-    ("CoOp", "imagenet"): "vit_b16_ep50_ctxv1",
-    ("TCP", "imagenet"): "vit_b16_ep25_ctxv1",
-    ("TCP", "sun397"): "vit_b16_ep25_ctxv1",
-}
-TRANSFER_CFG = {
-    "MaPLe": "vit_b16_c2_ep5_batch4_2ctx_cross_datasets",
-    "PromptSRC": "vit_b16_c2_ep5_batch4_4x4ctx_cross_datasets",  # "..._4+4ctx_..." (a link)
-}
+# Default trainer configs (configs/trainers/<trainer>/<cfg>.yaml; override with --cfg / CFG=)
+# are declared beside each trainer (its class's PROTOCOL_CFGS, engine.trainer.TrainerBase):
+# a new trainer, in trainers/ or a plugin, joins every protocol without an edit here.
+
+
+def trainer_cfgs(trainer: str, plugins: tuple[str, ...] = ()) -> dict[str, str]:
+    """The protocol defaults the trainer ``trainer`` declares (its registered class's own
+    ``PROTOCOL_CFGS``; empty for an unknown trainer or one that declares none)."""
+    import trainers  # noqa: F401  (registers the project's trainers, as train.py does)
+    from engine.plugins import load_plugins
+    from engine.registry import TRAINER_REGISTRY
+
+    load_plugins(plugins)
+    if trainer not in TRAINER_REGISTRY:
+        return {}
+    return dict(vars(TRAINER_REGISTRY.get(trainer)).get("PROTOCOL_CFGS") or {})
+
+
 # Options of every training run of the grid: Dassl's drop_last (the original code bases').
 # No config needs per-optimizer options any more: the staged SAMPLe configs of MaPLe/CoPrompt
 # add their stage 2 after the published schedule (OPTIM.SAM.STAGE2_EPOCHS), so MaPLe's 2-epoch
@@ -130,12 +128,13 @@ class Setup:
         override = dict(self.cfgs).get(trainer)
         if override:
             return override
+        declared = trainer_cfgs(trainer, self.plugins)
         if protocol != "base2new":
             dataset = SOURCE_DATASET
-            cfg = TRANSFER_CFG.get(trainer)
+            cfg = declared.get("transfer")
             if cfg:
                 return cfg
-        cfg = DATASET_CFG.get((trainer, dataset)) or BASE2NEW_CFG.get(trainer)
+        cfg = declared.get(f"base2new/{dataset}") or declared.get("base2new")
         if cfg is None:
             raise ProtocolError(
                 f"No default config for trainer {trainer!r}: pass --cfg {trainer}=<name> "

@@ -26,62 +26,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
+from .hparams import (  # noqa: F401  (re-exported: optimizers declare their keys with these)
+    FP32_MAX,
+    NONNEG,
+    POS,
+    SAM_HPARAMS,
+    HParam,
+    declare_hparam,
+    nonneg,
+    positive,
+)
 from .registry import Registry
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_REGISTRY = Registry("optimizer")
-
-
-@dataclass(frozen=True)
-class HParam:
-    """An ``OPTIM.SAM.<key>`` hyper-parameter passed to a sharpness-aware constructor.
-
-    Attributes:
-        key: the config key under OPTIM.SAM.
-        kwarg: the constructor keyword.
-        default: the config default (its type is the key's type).
-        help: one line for the config dump and the README.
-    """
-
-    key: str
-    kwarg: str
-    default: Any
-    help: str
-
-
-# The OPTIM.SAM keys of the built-in optimizers (declared with comments in engine/config.py);
-# an optimizer names them by key, or passes an HParam of its own.
-SAM_HPARAMS = {
-    h.key: h
-    for h in (
-        HParam("RHO", "rho", 0.05, "perturbation radius rho"),
-        HParam("ALPHA", "alpha", 0.0015, "SAGM/SAMPLe step alpha along the gradient"),
-        HParam("LAMBDA", "lam", 0.15, "moving-average factor lambda"),
-        HParam("SIGMA", "sigma", 1.0, "F-SAM scale of the removed full-gradient component"),
-        HParam("ADAPTIVE", "adaptive", False, "ASAM's scale-invariant perturbation"),
-        HParam("VARIANT", "variant", "paper", "paper | reference | reference-cocoop (sample)"),
-        HParam("UPDATE", "update", "", "SAGM/SAMPLe update: '' (variant's) | sum | mean"),
-        HParam("SCHEDULE", "schedule", "constant", "constant | inv_sqrt"),
-        HParam("EVERY", "every", 0, "ascent every k steps (0: the optimizer's own k)"),
-        HParam("LOOK_ALPHA", "look_alpha", 0.7, "LookSAM scale of the reused direction g_v"),
-        HParam("BETA", "beta", 0.6, "ESAM fraction of the weights perturbed"),
-        HParam("GAMMA", "gamma", 0.5, "ESAM fraction of the batch in the second pass"),
-        HParam("SELECT_PASS", "select_pass", "subset", "ESAM selected pass: subset | masked"),
-        HParam("NOISE", "noise", 0.01, "RWP/m-RWP noise scale (relative to the filter norm)"),
-        HParam("MIX", "mix", 0.5, "m-RWP weight of the perturbed gradient"),
-        HParam("TRAJ_WEIGHT", "weight", -1.0, "SAF/MESA trajectory-loss weight (< 0: own)"),
-        HParam("TEMPERATURE", "temperature", 5.0, "SAF/MESA softmax temperature tau"),
-        HParam("TRAJ_START", "start_epoch", 0, "SAF/MESA first epoch (0-based) of the KL term"),
-        HParam("EPOCHS_BACK", "epochs_back", 2, "SAF: outputs recorded E epochs earlier"),
-        HParam("EMA_DECAY", "ema_decay", 0.9998, "MESA decay of the EMA model"),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -138,7 +101,7 @@ def register_optimizer(
                     f"declare a new one (known: {', '.join(SAM_HPARAMS)})"
                 )
             h = SAM_HPARAMS[h]
-        resolved.append(h)
+        resolved.append(declare_hparam(h))
     spec = OptimizerSpec(
         name,
         cls,
@@ -304,9 +267,16 @@ def list_optimizers(kind: str | None = None) -> list[OptimizerSpec]:
     return [s for s in specs if kind is None or s.kind == kind]
 
 
+def sam_hparams() -> list[HParam]:
+    """Every declared OPTIM.SAM hyper-parameter (the built-in optimizers' and plugins')."""
+    import optim  # noqa: F401  (declares the built-in optimizers' keys)
+
+    return list(SAM_HPARAMS.values())
+
+
 def add_optimizer_keys(cfg) -> None:
-    """Add the OPTIM.SAM keys that registered optimizers declare and the config lacks."""
-    for spec in list_optimizers():
-        for h in spec.hparams:
-            if h.key not in cfg.OPTIM.SAM:
-                cfg.OPTIM.SAM[h.key] = h.default
+    """Add every declared OPTIM.SAM hyper-parameter (its default) that the config lacks: the
+    OPTIM.SAM node's hyper-parameter keys are declared in optim/, next to their optimizers."""
+    for h in sam_hparams():
+        if h.key not in cfg.OPTIM.SAM:
+            cfg.OPTIM.SAM[h.key] = h.default

@@ -13,3 +13,8 @@ class UserError(Exception):
 
 class OptimConfigError(UserError, ValueError):
     """An invalid ``OPTIM.*`` value or combination."""
+
+
+class StepContractError(UserError, RuntimeError):
+    """A caller of the optimizer step (optim.step.OptimizerStep) that does not give what the
+    optimizer needs (begin_step before the first forward, the step's batch, recorded logits)."""

@@ -7,7 +7,15 @@ SAM with two savings (Du et al., Sec. 3 and Alg. 1):
   entry is kept with probability ``beta`` and the kept part is scaled by ``1 / beta`` (the
   authors' code: ``rho / (||g|| + eps) / beta``)::
 
-      m ~ Bernoulli(beta) per entry,   e = rho / beta * (m * g) / (||g|| + 1e-12)
+      m ~ Bernoulli(beta) per entry,   e = rho / beta * (m * g) / (||g|| + 1e-12)     (paper)
+                                       e = rho / beta * (m * g) / (||m * g|| + 1e-7)  (reference)
+
+  ``variant`` (``OPTIM.SAM.VARIANT``): ``paper`` scales by the norm of the full gradient, as Du
+  et al. write SWP (Eq. 5, the SAM perturbation of the full gradient, masked); ``reference``
+  scales by the norm of the perturbed coordinates' gradient, as the authors' released
+  ``utils/Esam.py`` does (there the tensors skipped by the previous step have no gradient, so
+  its ``_grad_norm`` runs over the perturbed ones only; its guard is ``1e-7``). With
+  ``beta = 1`` the two differ only in the guard.
 
   The authors draw one Bernoulli per *tensor* (a whole tensor is skipped, which saves its
   backward on a network of many tensors); a prompt learner has one to a few tensors, so this
@@ -49,10 +57,54 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import HParam, declare_hparam, register_optimizer
 from .errors import OptimConfigError
-from .sharpness import EPS, SharpnessAwareOptimizer, per_group, scaled
+from .sharpness import (
+    EPS,
+    OUTPUTS,
+    REPASS,
+    RHO,
+    SharpnessAwareOptimizer,
+    global_norm,
+    per_group,
+    scaled,
+)
 from .step import NO_OUTPUTS, require_batch
+
+BETA = declare_hparam(
+    HParam(
+        "BETA",
+        "beta",
+        0.6,
+        "esam: fraction of the weights perturbed (SWP), in (0, 1]",
+        lambda v: 0 < v <= 1,
+        "a number in (0, 1]",
+    )
+)
+GAMMA = declare_hparam(
+    HParam(
+        "GAMMA",
+        "gamma",
+        0.5,
+        "esam: fraction of the batch in the second pass (SDS), in (0, 1]",
+        lambda v: 0 < v <= 1,
+        "a number in (0, 1]",
+    )
+)
+SELECT_PASS = declare_hparam(
+    HParam(
+        "SELECT_PASS",
+        "select_pass",
+        "subset",
+        "esam: the selected pass: subset (a forward without gradients on the batch, then "
+        "forward + backward on the selected items) | masked (one forward with gradients on the "
+        "batch, backward of the selected items' loss)",
+        choices=("subset", "masked"),
+    )
+)
+
+
+REFERENCE_EPS = 1e-7  # the guard of the authors' Esam.py: rho / (||g_S|| + 1e-7) / beta
 
 
 class ESAM(SharpnessAwareOptimizer):
@@ -69,42 +121,48 @@ class ESAM(SharpnessAwareOptimizer):
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
-    VARIANTS = ("paper",)
-    UPDATE = {"paper": "perturbed"}
-    SELECT_PASSES = ("subset", "masked")
+    VARIANTS = ("paper", "reference")
+    UPDATE = {"paper": "perturbed", "reference": "perturbed"}
+    SELECT_PASSES = SELECT_PASS.choices
 
     def __init__(
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        rho: float = 0.05,
-        beta: float = 0.6,
-        gamma: float = 0.5,
-        select_pass: str = "subset",
+        rho: float = RHO.default,
+        beta: float = BETA.default,
+        gamma: float = GAMMA.default,
+        select_pass: str = SELECT_PASS.default,
+        variant: str = "paper",
         schedule: str = "constant",
         **base_kwargs,
     ):
-        if select_pass not in self.SELECT_PASSES:
-            raise ValueError(
-                f"Invalid select_pass: {select_pass!r} (one of {', '.join(self.SELECT_PASSES)})"
-            )
+        for hparam, value in ((SELECT_PASS, select_pass), (BETA, beta), (GAMMA, gamma)):
+            hparam.check(value)
         self.select_pass = select_pass
-        if not 0 < beta <= 1:
-            raise ValueError(f"Invalid beta: {beta} (the fraction of weights perturbed, in (0, 1])")
-        if not 0 < gamma <= 1:
-            raise ValueError(f"Invalid gamma: {gamma} (the fraction of the batch, in (0, 1])")
         self.beta, self.gamma = float(beta), float(gamma)
-        super().__init__(params, base_optimizer, dict(rho=rho), schedule=schedule, **base_kwargs)
+        super().__init__(
+            params, base_optimizer, dict(rho=rho), variant, schedule=schedule, **base_kwargs
+        )
 
     def _perturbation(self, fp, g, g_norm, scale):
         gen = self.generator(g[0].device)
         masks = [torch.rand(gi.shape, generator=gen, device=gi.device) < self.beta for gi in g]
-        denom = (g_norm + EPS) * self.beta
         masked = [gi * m for gi, m in zip(g, masks)]
+        if self.variant == "reference":  # the norm of the perturbed coordinates' gradient
+            denom = (global_norm(masked) + REFERENCE_EPS) * self.beta
+        else:
+            denom = (g_norm + EPS) * self.beta
         fp.stats["perturbed"] = torch.stack([m.sum() for m in masks]).sum().to(g_norm.dtype) / sum(
             m.numel() for m in masks
         )
         return scaled(masked, per_group(fp.groups, lambda gr: gr["rho"] * scale / denom))
+
+    def step_needs(self) -> frozenset[str]:
+        """With ``gamma < 1`` the selection needs the first pass's per-item losses and a pass
+        on the selected items (or the whole batch, ``masked``)."""
+        needs = super().step_needs()
+        return needs | {OUTPUTS, REPASS} if self.gamma < 1 else needs
 
     def select(self, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         """The items of the second pass: the ``max(1, floor(gamma * B))`` largest increases
@@ -144,7 +202,7 @@ register_optimizer(
     "on the batch's sharpest items",
     kind="sharpness",
     needs_closure=True,
-    hparams=("RHO", "BETA", "GAMMA", "SELECT_PASS", "SCHEDULE"),
+    hparams=("RHO", "BETA", "GAMMA", "SELECT_PASS", "VARIANT", "SCHEDULE"),
     test_kwargs=dict(rho=0.05, beta=0.6, gamma=0.5),
     efficient=True,
 )

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
 from .sharpness import (
     EPS,
     SharpnessAwareOptimizer,
@@ -46,6 +46,27 @@ from .sharpness import (
     global_norm,
     per_group,
     scaled,
+)
+
+LAMBDA = declare_hparam(
+    HParam(
+        "LAMBDA",
+        "lam",
+        0.15,
+        "F-SAM/SAMPLe moving-average factor lambda of the full-gradient EMA",
+        lambda v: 0 <= v <= 1,
+        "a number in [0, 1]",
+    )
+)
+SIGMA = declare_hparam(
+    HParam(
+        "SIGMA",
+        "sigma",
+        1.0,
+        "F-SAM scale of the removed full-gradient component",
+        nonneg,
+        NONNEG,
+    )
 )
 
 

@@ -27,8 +27,31 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
 from .sam import SAM
+
+EVERY = declare_hparam(
+    HParam(
+        "EVERY",
+        "every",
+        0,
+        "lookahead (looksam; sample): the second pass every EVERY steps (steps t with t mod k "
+        "== 0, the first included), the stored part g_v of the perturbed gradient orthogonal to "
+        "g reused in between. 0: the optimizer's own k (looksam 5, sample 1)",
+        lambda v: v >= 0,
+        "an integer >= 0 (0: the optimizer's own k)",
+    )
+)
+LOOK_ALPHA = declare_hparam(
+    HParam(
+        "LOOK_ALPHA",
+        "look_alpha",
+        0.7,
+        "scale of the reused orthogonal component (LookSAM's alpha)",
+        nonneg,
+        NONNEG,
+    )
+)
 
 
 class LookSAM(SAM):

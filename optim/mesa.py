@@ -27,10 +27,21 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
-from .saf import TrajectoryOptimizer
-from .sharpness import acc_dtype, copies
+from .build import HParam, declare_hparam, register_optimizer
+from .saf import TEMPERATURE, TrajectoryOptimizer
+from .sharpness import BEGIN_STEP, OUTPUTS, REPASS, acc_dtype, copies
 from .step import require_batch
+
+EMA_DECAY = declare_hparam(
+    HParam(
+        "EMA_DECAY",
+        "ema_decay",
+        0.9998,
+        "mesa: decay of the EMA of the learnable weights, per step",
+        lambda v: 0 <= v < 1,
+        "a number in [0, 1)",
+    )
+)
 
 
 class MESA(TrajectoryOptimizer):
@@ -41,25 +52,25 @@ class MESA(TrajectoryOptimizer):
         base_optimizer: base optimizer class (default SGD).
         weight: lam, the weight of the trajectory loss (< 0: the default 0.8).
         temperature: tau.
-        start_epoch: first epoch (0-based) with the trajectory loss.
+        start_epoch: the trajectory loss in the 0-based epochs > start_epoch (-1: all).
         ema_decay: d, the per-step decay of the EMA weights, in [0, 1).
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
     DEFAULT_WEIGHT = 0.8
+    STEP_NEEDS = frozenset({BEGIN_STEP, OUTPUTS, REPASS})  # the EMA model's pass: a forward
 
     def __init__(
         self,
         params,
         base_optimizer=torch.optim.SGD,
         weight: float = -1.0,
-        temperature: float = 5.0,
+        temperature: float = TEMPERATURE.default,
         start_epoch: int = 0,
-        ema_decay: float = 0.9998,
+        ema_decay: float = EMA_DECAY.default,
         **base_kwargs,
     ):
-        if not 0 <= ema_decay < 1:
-            raise ValueError(f"Invalid ema_decay: {ema_decay} (must be in [0, 1))")
+        EMA_DECAY.check(ema_decay)
         self.ema_decay = float(ema_decay)
         super().__init__(params, base_optimizer, weight, temperature, start_epoch, **base_kwargs)
         self._teacher: torch.Tensor | None = None
@@ -80,10 +91,10 @@ class MESA(TrajectoryOptimizer):
 
     @torch.no_grad()
     def before_forward(self, batch, epoch: int) -> None:
-        """From ``start_epoch`` on: the EMA model's logits on this batch (one forward)."""
+        """After ``start_epoch``: the EMA model's logits on this batch (one forward)."""
         self._teacher = None
         ema = self._ema_weights()
-        if epoch < self.start_epoch:
+        if epoch <= self.start_epoch:
             return
         batch = require_batch(batch, "MESA")
         params = self._trainable()

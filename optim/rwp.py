@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .build import register_optimizer
+from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
 from .sharpness import SharpnessAwareOptimizer, acc_dtype, copies, global_norm
 
 
@@ -48,9 +48,26 @@ def filter_noise(p: Tensor, noise: float, gen: torch.Generator) -> Tensor:
     return z * (std * noise)
 
 
-def _check_noise(noise: float) -> None:
-    if not noise >= 0:
-        raise ValueError(f"Invalid noise: {noise} (the relative noise std must be >= 0)")
+NOISE = declare_hparam(
+    HParam(
+        "NOISE",
+        "noise",
+        0.01,
+        "rwp/mrwp: Gaussian noise std per filter, relative to its L2 norm",
+        nonneg,
+        NONNEG,
+    )
+)
+MIX = declare_hparam(
+    HParam(
+        "MIX",
+        "mix",
+        0.5,
+        "mrwp: update = MIX * g(w + noise) + (1 - MIX) * g(w)",
+        lambda v: 0 <= v <= 1,
+        "a number in [0, 1]",
+    )
+)
 
 
 class RWP(SharpnessAwareOptimizer):
@@ -67,8 +84,10 @@ class RWP(SharpnessAwareOptimizer):
     VARIANTS = ("paper",)
     UPDATE = {"paper": "perturbed"}
 
-    def __init__(self, params, base_optimizer=torch.optim.SGD, noise: float = 0.01, **base_kwargs):
-        _check_noise(noise)
+    def __init__(
+        self, params, base_optimizer=torch.optim.SGD, noise: float = NOISE.default, **base_kwargs
+    ):
+        NOISE.check(noise)
         super().__init__(params, base_optimizer, dict(noise=noise), **base_kwargs)
         self._saved: tuple[list[Tensor], list[Tensor]] | None = None
 
@@ -145,13 +164,12 @@ class MRWP(SharpnessAwareOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        noise: float = 0.01,
-        mix: float = 0.5,
+        noise: float = NOISE.default,
+        mix: float = MIX.default,
         **base_kwargs,
     ):
-        _check_noise(noise)
-        if not 0 <= mix <= 1:
-            raise ValueError(f"Invalid mix: {mix} (the perturbed gradient's weight, in [0, 1])")
+        NOISE.check(noise)
+        MIX.check(mix)
         self.mix = float(mix)
         super().__init__(params, base_optimizer, dict(noise=noise), **base_kwargs)
 

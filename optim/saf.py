@@ -19,8 +19,11 @@ Hyper-parameters of the authors' README and ImageNet recipe: ``lam = 0.3`` (``--
 ``tau = 5``, ``E = 2`` (``--minus_epoch``); the term starts at the authors' epoch 5 on a 90- to
 300-epoch schedule ("the beginning epoch or 30% of the epochs"). Prompt learners train 5 to 50
 epochs, so ``TRAJ_START`` defaults to 0 (from the first epoch that has a record ``E`` epochs
-back) and the per-trainer configs set it near 30% of the schedule. The authors' code applies
-the term for ``epoch > kl_start_epoch``; here ``epoch >= TRAJ_START`` (0-based).
+back) and the per-trainer configs set it near 30% of the schedule. ``TRAJ_START`` counts as the
+authors' ``--kl_start_epoch``: their code (a 0-based epoch loop) applies the term for ``epoch >
+kl_start_epoch``, and so does this one for ``epoch > TRAJ_START`` (0-based ``self.epoch``): the
+published ``--kl_start_epoch 5`` is ``TRAJ_START 5``, the term from the 7th epoch on; ``-1``
+applies it from the first epoch.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .build import register_optimizer
-from .sharpness import SharpnessAwareOptimizer, acc_dtype, global_norm
+from .build import POS, HParam, declare_hparam, positive, register_optimizer
+from .sharpness import BEGIN_STEP, INDEX, OUTPUTS, SharpnessAwareOptimizer, acc_dtype, global_norm
 from .step import require_batch
 
 
@@ -40,6 +43,47 @@ def trajectory_kl(logits: Tensor, target_logits: Tensor, tau: float) -> Tensor:
     log_q = F.log_softmax(logits.to(dtype) / tau, dim=-1)
     log_p = F.log_softmax(target_logits.to(dtype) / tau, dim=-1)
     return (log_p.exp() * (log_p - log_q)).sum(-1) * (tau * tau)
+
+
+TRAJ_WEIGHT = declare_hparam(
+    HParam(
+        "TRAJ_WEIGHT",
+        "weight",
+        -1.0,
+        "saf/mesa: weight lambda of the KL term; < 0: saf 0.3, mesa 0.8",
+    )
+)
+TEMPERATURE = declare_hparam(
+    HParam(
+        "TEMPERATURE",
+        "temperature",
+        5.0,
+        "saf/mesa: softmax temperature tau of the KL term",
+        positive,
+        POS,
+    )
+)
+TRAJ_START = declare_hparam(
+    HParam(
+        "TRAJ_START",
+        "start_epoch",
+        0,
+        "saf/mesa: the KL term in the epochs after this one (0-based epochs > TRAJ_START), "
+        "as the authors' --kl_start_epoch; -1: from the first epoch",
+        lambda v: v >= -1,
+        "an integer >= -1 (the term in the 0-based epochs > TRAJ_START)",
+    )
+)
+EPOCHS_BACK = declare_hparam(
+    HParam(
+        "EPOCHS_BACK",
+        "epochs_back",
+        2,
+        "saf: the KL target is the output recorded E epochs earlier",
+        lambda v: v >= 1,
+        "an integer >= 1",
+    )
+)
 
 
 class TrajectoryOptimizer(SharpnessAwareOptimizer):
@@ -55,15 +99,13 @@ class TrajectoryOptimizer(SharpnessAwareOptimizer):
         params,
         base_optimizer=torch.optim.SGD,
         weight: float = -1.0,
-        temperature: float = 5.0,
+        temperature: float = TEMPERATURE.default,
         start_epoch: int = 0,
         **base_kwargs,
     ):
         weight = self.DEFAULT_WEIGHT if weight < 0 else weight
-        if not temperature > 0:
-            raise ValueError(f"Invalid temperature: {temperature} (must be > 0)")
-        if start_epoch < 0:
-            raise ValueError(f"Invalid start_epoch: {start_epoch} (a 0-based epoch, >= 0)")
+        TEMPERATURE.check(temperature)
+        TRAJ_START.check(start_epoch)
         self.weight, self.temperature = float(weight), float(temperature)
         self.start_epoch = int(start_epoch)
         super().__init__(params, base_optimizer, {}, **base_kwargs)
@@ -114,25 +156,27 @@ class SAF(TrajectoryOptimizer):
         base_optimizer: base optimizer class (default SGD).
         weight: lam, the weight of the trajectory loss (< 0: the default 0.3).
         temperature: tau.
-        start_epoch: first epoch (0-based) with the trajectory loss.
+        start_epoch: the trajectory loss in the 0-based epochs > start_epoch (-1: all).
         epochs_back: E, the age in epochs of the recorded outputs (>= 1).
         **base_kwargs: base optimizer arguments (lr, momentum, weight_decay, ...).
     """
 
     DEFAULT_WEIGHT = 0.3
+    STEP_NEEDS = frozenset({BEGIN_STEP, OUTPUTS, INDEX})
 
     def __init__(
         self,
         params,
         base_optimizer=torch.optim.SGD,
         weight: float = -1.0,
-        temperature: float = 5.0,
+        temperature: float = TEMPERATURE.default,
         start_epoch: int = 0,
-        epochs_back: int = 2,
+        epochs_back: int = EPOCHS_BACK.default,
         **base_kwargs,
     ):
-        if int(epochs_back) != epochs_back or epochs_back < 1:
+        if int(epochs_back) != epochs_back:
             raise ValueError(f"Invalid epochs_back: {epochs_back} (an integer >= 1)")
+        EPOCHS_BACK.check(epochs_back)
         self.epochs_back = int(epochs_back)
         super().__init__(params, base_optimizer, weight, temperature, start_epoch, **base_kwargs)
         self.records: Tensor | None = None  # [items, E + 1, classes] logits (fp32)
@@ -151,7 +195,7 @@ class SAF(TrajectoryOptimizer):
             self.record_epoch = torch.cat([self.record_epoch, pad])
 
     def extra_loss(self, batch, epoch: int):
-        """Record this pass's logits; from ``start_epoch`` on, the KL to those of ``e - E``."""
+        """Record this pass's logits; after ``start_epoch``, the KL to those of ``e - E``."""
         batch = require_batch(batch, "SAF")
         logits = batch.first_outputs("SAF").logits
         index = batch.require_index("SAF").to(logits.device)
@@ -161,7 +205,7 @@ class SAF(TrajectoryOptimizer):
         self.records[index, slot] = logits.detach().to(self.records.dtype)
         self.record_epoch[index, slot] = epoch
         past = epoch - self.epochs_back
-        if epoch < self.start_epoch or past < 0:
+        if epoch <= self.start_epoch or past < 0:
             return None
         valid = (self.record_epoch[index, past % e1] == past).to(self.records.dtype)
         return self._term(logits, self.records[index, past % e1], valid)

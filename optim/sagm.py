@@ -36,8 +36,19 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
 from .sharpness import SharpnessAwareOptimizer, sagm_perturbation
+
+ALPHA = declare_hparam(
+    HParam(
+        "ALPHA",
+        "alpha",
+        0.0015,
+        "SAGM/SAMPLe step alpha along the (batch-specific) gradient",
+        nonneg,
+        NONNEG,
+    )
+)
 
 
 class SAGM(SharpnessAwareOptimizer):

@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from .build import register_optimizer
+from .build import HParam, declare_hparam, register_optimizer
 from .sharpness import EPS, SharpnessAwareOptimizer, acc_dtype, global_norm, per_group, scaled
+
+ADAPTIVE = declare_hparam(
+    HParam("ADAPTIVE", "adaptive", False, "SAM only: ASAM's scale-invariant perturbation")
+)
 
 
 class SAM(SharpnessAwareOptimizer):

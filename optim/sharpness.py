@@ -105,6 +105,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .build import NONNEG, HParam, declare_hparam, nonneg
+
 logger = logging.getLogger(__name__)
 
 EPS = 1e-12  # the epsilon of SAM-style normalisations (davda54/sam, F-SAM, SAGM)
@@ -113,6 +115,55 @@ TINY = torch.finfo(torch.float32).tiny  # a guard that only acts on an exact zer
 VARIANTS = ("paper", "reference", "reference-cocoop")
 UPDATES = ("", "sum", "mean")  # OPTIM.SAM.UPDATE: "" is the variant's own rule
 SCHEDULES = ("constant", "inv_sqrt")
+
+# The OPTIM.SAM hyper-parameters shared by the family (optim.build.HParam: config key, default,
+# help, range; engine/config.py and engine/validate.py read them from here)
+RHO = declare_hparam(HParam("RHO", "rho", 0.05, "perturbation radius rho", nonneg, NONNEG))
+VARIANT = declare_hparam(
+    HParam(
+        "VARIANT",
+        "variant",
+        "paper",
+        "paper (the equations as written) | reference (the released code) | reference-cocoop "
+        "(sample only: the SAMPLe authors' CoCoOp copy, SAGM-like without the moving average)",
+        choices=VARIANTS,
+    )
+)
+UPDATE = declare_hparam(
+    HParam(
+        "UPDATE",
+        "update",
+        "",
+        "update gradient of sagm/sample: '' (the variant's own: paper g + g_p, reference mean) "
+        "| sum (g + g_p) | mean (0.5 g + 0.5 g_p; with SGD half the step of sum)",
+        choices=UPDATES,
+    )
+)
+SCHEDULE = declare_hparam(
+    HParam(
+        "SCHEDULE",
+        "schedule",
+        "constant",
+        "rho/alpha schedule: constant | inv_sqrt (the paper's theorem: divided by sqrt(t))",
+        choices=SCHEDULES,
+    )
+)
+
+# What an optimizer may need from the caller of its step (optim.step.OptimizerStep), declared by
+# each class in STEP_NEEDS (or step_needs()) and checked by the step object, which refuses a
+# caller that does not give it:
+BEGIN_STEP = "begin_step"  # OptimizerStep.begin_step(batch, epoch) before the first forward
+OUTPUTS = "outputs"  # the first pass's recorded logits and labels (StepBatch.first)
+INDEX = "index"  # the items' dataset indices (StepBatch.index)
+REPASS = "repass"  # more forwards on the batch or a part of it (StepBatch.forward)
+LOSS_FN = "loss_fn"  # the loss recomputed at the current parameters (a second pass)
+STEP_NEEDS = {
+    BEGIN_STEP: "OptimizerStep.begin_step(batch, epoch) before the step's first forward",
+    OUTPUTS: "the first pass's logits (the trainer's self.classification_loss(logits, label))",
+    INDEX: "the items' dataset indices (an 'index' entry in every training batch)",
+    REPASS: "forwards on the batch or a part of it at the current weights (StepBatch.forward)",
+    LOSS_FN: "a function recomputing the loss at the current weights (its second pass)",
+}
 
 
 def acc_dtype(t: Tensor) -> torch.dtype:
@@ -258,6 +309,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
 
     VARIANTS: tuple[str, ...] = ("paper", "reference")
     UPDATE: dict[str, str] = {"paper": "perturbed", "reference": "perturbed"}
+    # what the step's caller must give (keys of STEP_NEEDS): every step is opened with
+    # begin_step; a two-pass optimizer adds LOSS_FN (register_optimizer's needs_closure)
+    STEP_NEEDS: frozenset[str] = frozenset({BEGIN_STEP})
 
     def __init__(
         self,
@@ -354,6 +408,12 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # ------------------------------------------------------------- hooks of the step object
+    def step_needs(self) -> frozenset[str]:
+        """What this optimizer needs from the step's caller (keys of :data:`STEP_NEEDS`); the
+        step object (:class:`optim.step.OptimizerStep`) checks them, adding ``LOSS_FN`` for a
+        class registered with ``needs_closure``. Default: the class's ``STEP_NEEDS``."""
+        return frozenset(self.STEP_NEEDS)
+
     def second_pass_due(self) -> bool:
         """Whether this step takes the second pass (always, unless ``every > 1``: then on
         steps ``t`` with ``t mod every == 0``, and whenever no ``g_v`` is stored yet)."""

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .build import get_optimizer_spec
-from .errors import OptimConfigError
+from .errors import OptimConfigError, StepContractError
+from .sharpness import BEGIN_STEP, INDEX, LOSS_FN, OUTPUTS, REPASS, STEP_NEEDS
 from .staging import Staging
 
 
@@ -178,6 +179,8 @@ class OptimizerStep:
         self.staging = staging or Staging()
         self.lr_per_batch = bool(lr_per_batch)
         self.sharp = [o for o in self.optimizers if get_optimizer_spec(o).kind == "sharpness"]
+        self._open: StepBatch | None = None  # the batch begin_step opened, until the step
+        self._open_epoch: int | None = None
         self.two_pass = [o for o in self.sharp if get_optimizer_spec(o).needs_closure]
         if self.sharp and len(self.optimizers) != 1:
             raise OptimConfigError(
@@ -214,13 +217,73 @@ class OptimizerStep:
     def backward(self, loss: Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    # -- the contract ------------------------------------------------------------------------
+    def needs(self, epoch: int | None = None) -> frozenset[str]:
+        """What the sharpness-aware optimizer needs from the caller (keys of
+        :data:`optim.sharpness.STEP_NEEDS`): in ``epoch`` (nothing before its stage), or in
+        any epoch (``epoch`` None). A base optimizer needs nothing."""
+        opt = self.sharp[0] if self.sharp and epoch is None else self._active(epoch or 0)
+        if opt is None:
+            return frozenset()
+        needs = set(getattr(opt, "step_needs", lambda: frozenset({BEGIN_STEP}))())
+        if get_optimizer_spec(opt).needs_closure:
+            needs.add(LOSS_FN)
+        return frozenset(needs)
+
+    def check_caller(self, gives, who: str, fix: str = "") -> None:
+        """Refuse, before training, a caller that cannot give what the optimizer needs.
+
+        Args:
+            gives: the keys of :data:`optim.sharpness.STEP_NEEDS` the caller provides.
+            who: the caller, for the message (e.g. "the trainer file's forward_backward").
+            fix: what the user can do instead (appended to the message).
+        """
+        missing = sorted(self.needs() - set(gives))
+        if missing:
+            name = get_optimizer_spec(self.sharp[0]).name
+            what = "; ".join(STEP_NEEDS[m] for m in missing)
+            raise StepContractError(
+                f"The optimizer {name!r} needs {what}, which {who} does not give. "
+                + (fix or "Run it with a trainer of the engine's step protocol (engine.trainer)")
+            )
+
+    def _check_open(self, opt, batch: StepBatch | None, epoch: int) -> None:
+        """The contract of a step of ``opt``: opened by begin_step with this batch, in this
+        epoch; the batch and what it holds as the optimizer needs them."""
+        name = get_optimizer_spec(opt).name
+        if self._open is None or self._open is not batch or self._open_epoch != epoch:
+            raise StepContractError(
+                f"The step of the sharpness-aware optimizer {name!r} was not opened with "
+                "OptimizerStep.begin_step(batch, epoch) before the step's first forward (with "
+                "the StepBatch then passed as step(loss, loss_fn, epoch, batch=batch)): its "
+                "caller breaks the step's contract (optim/step.py); engine.trainer.TrainerX "
+                "and dassl.engine.TrainerX keep it"
+            )
+        needs = self.needs(epoch)
+        if batch is None and needs & {OUTPUTS, INDEX, REPASS}:
+            require_batch(batch, name)
+        if OUTPUTS in needs and batch.first is None:
+            raise StepContractError(f"{name} {NO_OUTPUTS}")
+        if INDEX in needs:
+            batch.require_index(name)
+
     # -- the step -----------------------------------------------------------------------------
     def begin_step(self, batch: StepBatch | None, epoch: int) -> None:
-        """Before the first pass's forward: the sharpness-aware optimizer's ``before_forward``
-        (RWP perturbs the weights, MESA runs its EMA model)."""
+        """Open a step, before the first pass's forward: the sharpness-aware optimizer's
+        ``before_forward`` (RWP perturbs the weights, MESA runs its EMA model). Every step of a
+        sharpness-aware optimizer must be opened so (``__call__`` refuses one that was not)."""
+        self._open, self._open_epoch = batch, epoch
         opt = self._active(epoch)
         if opt is not None:
             opt.before_forward(batch, epoch)
+
+    def abort_step(self, epoch: int) -> None:
+        """Close a step that failed between begin_step and the update: undo ``before_forward``
+        (RWP's perturbed weights)."""
+        self._open = self._open_epoch = None
+        opt = self._active(epoch)
+        if opt is not None:
+            opt.restore_single()
 
     def __call__(
         self,
@@ -239,9 +302,19 @@ class OptimizerStep:
                 items or read logits need it).
 
         Returns the optimizer's diagnostics of this step (empty for a base optimizer's).
+
+        Raises:
+            StepContractError: with a sharpness-aware optimizer, a step not opened by
+                :meth:`begin_step` with ``batch``, or a batch without what it needs.
         """
         opt = self._active(epoch)
         if opt is not None:
+            try:
+                self._check_open(opt, batch, epoch)
+            except StepContractError:
+                self.abort_step(epoch)
+                raise
+            self._open = self._open_epoch = None
             extra = opt.extra_loss(batch, epoch)
             if extra is not None:
                 loss = loss + extra

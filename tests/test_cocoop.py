@@ -136,7 +136,7 @@ def test_automatic_chunk_is_whole_images_within_the_bound(model, clip_model, mon
     assert model.chunk_size() == 10  # two whole images
     monkeypatch.setattr(cocoop, "AUTO_CHUNK_ELEMENTS", 3 * seq_len * 32)  # fewer than n_cls
     assert model.chunk_size() == 3
-    with pytest.raises(ValueError, match="TEXT_CHUNK must be >= 0"):
+    with pytest.raises(ValueError, match="PROMPTS_PER_CALL must be >= 0"):
         CoCoOpCLIP(CLASSES, clip_model, text_chunk=-1)
 
 
@@ -193,7 +193,7 @@ def test_only_prompt_learner_trains_and_frozen_work_runs_once(tmp_path, dtd_root
 def test_config_has_cocoop_values():
     cfg = make_cfg([], trainer="CoCoOp", config_file=CONFIG)
     c, o = cfg.TRAINER.COCOOP, cfg.OPTIM
-    assert (c.N_CTX, c.CTX_INIT, c.PREC, c.TEXT_CHUNK) == (4, "a photo of a", "fp16", 0)
+    assert (c.N_CTX, c.CTX_INIT, c.PREC, c.PROMPTS_PER_CALL) == (4, "a photo of a", "fp16", 0)
     assert (o.NAME, o.LR, o.MAX_EPOCH, o.LR_SCHEDULER) == ("sgd", 0.002, 10, "cosine")
     assert (o.WARMUP_EPOCH, o.WARMUP_TYPE, o.WARMUP_CONS_LR) == (1, "constant", 1e-5)
     assert cfg.DATALOADER.TRAIN_X.BATCH_SIZE == 1 and cfg.DATALOADER.TEST.BATCH_SIZE == 100
@@ -253,3 +253,18 @@ def test_train_py_sgd_and_sample_then_new_classes(tmp_path, dtd_root, tiny_clip_
     log = open(osp.join(new, "log.txt")).read()
     assert "# classes  3" in log and "=> result" in log and "* accuracy" in log
     assert "Loading weights to prompt_learner" in log
+
+
+def test_the_former_chunk_key_is_translated_with_a_note():
+    """TRAINER.COCOOP.TEXT_CHUNK (0: automatic) was renamed PROMPTS_PER_CALL, so that it does not
+    share MODEL.TEXT_CHUNK's name (0: all at once); old configs and options still work."""
+    from engine.cli import build_parser, setup_cfg
+
+    notes = []
+    args = ["--trainer", "CoCoOp", "TRAINER.COCOOP.TEXT_CHUNK", "6"]
+    cfg = setup_cfg(build_parser().parse_args(args), notes)
+    assert cfg.TRAINER.COCOOP.PROMPTS_PER_CALL == 6 and "TEXT_CHUNK" not in cfg.TRAINER.COCOOP
+    assert cfg.MODEL.TEXT_CHUNK == 0  # the engine's key is untouched
+    assert notes == [
+        "TRAINER.COCOOP.TEXT_CHUNK 6 (the command line) -> TRAINER.COCOOP.PROMPTS_PER_CALL 6"
+    ]

@@ -22,6 +22,7 @@ from torch import nn
 from engine.config import get_base_cfg_default
 from optim import SAMPLe, build_optimizer, list_optimizers
 from optim.build import OPTIMIZER_REGISTRY
+from optim.errors import StepContractError
 from optim.step import OptimizerStep, PassOutputs, StepBatch
 
 F64 = torch.float64
@@ -36,10 +37,11 @@ HP = {  # hyper-parameters of the hand computations (LookSAM and SAMPLe-k with s
     "sample-k": dict(rho=0.3, alpha=0.05, lam=0.5, every=2, look_alpha=0.6),
     "esam": dict(rho=0.3, beta=0.6, gamma=0.5),
     "esam-masked": dict(rho=0.3, beta=0.6, gamma=0.5, select_pass="masked"),
+    "esam-reference": dict(rho=0.3, beta=0.6, gamma=0.5, variant="reference"),
     "rwp": dict(noise=0.2),
     "mrwp": dict(noise=0.2, mix=0.7),
-    "saf": dict(weight=0.3, temperature=2.0, start_epoch=1, epochs_back=1),
-    "mesa": dict(weight=0.8, temperature=2.0, start_epoch=1, ema_decay=0.5),
+    "saf": dict(weight=0.3, temperature=2.0, start_epoch=0, epochs_back=1),
+    "mesa": dict(weight=0.8, temperature=2.0, start_epoch=0, ema_decay=0.5),
 }
 
 
@@ -77,7 +79,8 @@ class Problem:
 
 
 def build(name: str, prob: Problem, momentum: float = 0.0):
-    spec = OPTIMIZER_REGISTRY.get({"sample-k": "sample", "esam-masked": "esam"}.get(name, name))
+    base = {"sample-k": "sample", "esam-masked": "esam", "esam-reference": "esam"}
+    spec = OPTIMIZER_REGISTRY.get(base.get(name, name))
     return spec.cls(prob.params, lr=LR, momentum=momentum, **HP[name])
 
 
@@ -162,10 +165,14 @@ def hand(name: str, steps: int) -> list[list[torch.Tensor]]:
             else:
                 g_p = axpy(g, g_v, hp["look_alpha"] * n / norm(g_v))
             u = g_p if name == "looksam" else axpy(g, g_p)  # SAMPLe paper: g + g_p
-        elif name in ("esam", "esam-masked"):
+        elif name in ("esam", "esam-masked", "esam-reference"):
             g = grad(th, items)
             masks = [torch.rand(x.shape, generator=gen) < hp["beta"] for x in th]
-            e = [hp["rho"] / hp["beta"] * mk * gi / (norm(g) + 1e-12) for mk, gi in zip(masks, g)]
+            g_s = [mk * gi for mk, gi in zip(masks, g)]  # the perturbed coordinates' gradient
+            if name == "esam-reference":  # the authors' Esam.py: ||g_S||, guard 1e-7
+                e = scale(g_s, hp["rho"] / hp["beta"] / (norm(g_s) + 1e-7))
+            else:  # the paper: the full gradient's norm
+                e = scale(g_s, hp["rho"] / hp["beta"] / (norm(g) + 1e-12))
             pert = axpy(th, e)
             rise = ce_items(pert, items) - ce_items(th, items)
             k = max(1, int(len(items) * hp["gamma"]))
@@ -182,7 +189,7 @@ def hand(name: str, steps: int) -> list[list[torch.Tensor]]:
             z = logits(th, items)
             back = t - hp["epochs_back"]
             dz = None
-            if t >= hp["start_epoch"] and back >= 0:
+            if t > hp["start_epoch"] and back >= 0:
                 valid = torch.tensor(
                     [float(records.get((int(i), back)) is not None) for i in items]
                 )
@@ -196,7 +203,7 @@ def hand(name: str, steps: int) -> list[list[torch.Tensor]]:
         else:  # mesa
             ema = ema or [x.clone() for x in th]
             dz = None
-            if t >= hp["start_epoch"]:
+            if t > hp["start_epoch"]:
                 z, z_ema = logits(th, items), logits(ema, items)
                 dz = kl_dz(z, z_ema, hp["temperature"], hp["weight"], torch.ones(len(items)))
             u = grad(th, items, dz)
@@ -232,7 +239,7 @@ def test_every_efficient_optimizer_has_a_hand_derivation():
         assert spec.kind == "sharpness" and spec.test_kwargs and spec.description
 
 
-@pytest.mark.parametrize("name", [*NAMES, "sample-k", "esam-masked"])
+@pytest.mark.parametrize("name", [*NAMES, "sample-k", "esam-masked", "esam-reference"])
 def test_float64_matches_hand_computation(name):
     steps = 5
     expected = hand(name, steps)
@@ -352,7 +359,7 @@ def test_rwp_noise_is_per_filter_of_a_prompt():
 
 def test_saf_records_are_keyed_by_item_and_saved():
     prob, opt, _, stats = run("saf", 3)
-    assert "traj_loss" not in stats[0] and "traj_loss" in stats[1]  # start_epoch 1
+    assert "traj_loss" not in stats[0] and "traj_loss" in stats[1]  # after start_epoch 0
     assert opt.records.shape == (6, 2, 3)
     assert opt.record_epoch[:, 2 % 2].tolist() == [2] * 6  # epoch 2 saw every item
     sd = opt.state_dict()["sharpness"]["extra"]
@@ -364,8 +371,9 @@ def test_trajectory_optimizers_need_the_trainers_logits():
     opt = OPTIMIZER_REGISTRY.get("saf").cls(prob.params, lr=LR)
     step = OptimizerStep([opt])
     batch = StepBatch(lambda subset=None: (prob.forward(subset)[0], None), prob.items)
+    step.begin_step(batch, 0)
     loss = prob.forward()[0]
-    with pytest.raises(ValueError, match="classification_loss"):
+    with pytest.raises(StepContractError, match="classification_loss"):
         step(loss, None, 0, batch=batch)
 
 
@@ -457,7 +465,7 @@ def test_select_inputs_default_and_per_class_entries():
 @pytest.mark.parametrize("name", ["saf", "rwp"])
 def test_trainer_resume_is_bit_identical(name, tmp_path, dtd_root, tiny_clip_opts):
     """The recorded outputs (SAF) and the generator (RWP) travel in the checkpoint."""
-    opts = ("OPTIM.MAX_EPOCH", "3", "OPTIM.SAM.TRAJ_START", "1", "OPTIM.SAM.EPOCHS_BACK", "1")
+    opts = ("OPTIM.MAX_EPOCH", "3", "OPTIM.SAM.TRAJ_START", "0", "OPTIM.SAM.EPOCHS_BACK", "1")
     full = _coop(tmp_path / "a", dtd_root, tiny_clip_opts, name, *opts)
     full.train()
     part = _coop(tmp_path / "b", dtd_root, tiny_clip_opts, name, *opts)
@@ -505,7 +513,7 @@ def test_every_trainer_folder_has_a_config_of_each_efficient_optimizer():
                 assert (cfg.EVERY, cfg.LOOK_ALPHA) == (5, 0.7)
             if name == "saf":
                 assert (cfg.TRAJ_WEIGHT, cfg.TEMPERATURE) == (0.3, 5.0)
-                assert 1 <= cfg.EPOCHS_BACK <= cfg.TRAJ_START
+                assert 1 <= cfg.EPOCHS_BACK <= cfg.TRAJ_START + 1  # records at the first KL epoch
             if name == "mesa":
                 assert (cfg.TRAJ_WEIGHT, cfg.EMA_DECAY) == (0.8, 0.9998)
 

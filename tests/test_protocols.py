@@ -535,3 +535,42 @@ def test_transfer_scripts_end_to_end(tmp_path, tiny_clip_opts):
     assert xd.headers == ["Method", "ImageNet", "DTD", "Avg"] and dg.headers[2] == "ImageNet-S"
     assert xd.rows[0][1].value == result.accuracy and xd.rows[0][1].paper == 71.51
     assert dg.rows[0][2].value == read_run(str(sketch)).accuracy
+
+
+_PLUGIN_TRAINER = """
+from engine.registry import TRAINER_REGISTRY
+from trainers.coop import CoOp
+
+
+@TRAINER_REGISTRY.register()
+class ProtocolCoOp(CoOp):
+    PROTOCOL_CFGS = {"base2new": "vit_b16_ctxv1", "base2new/dtd": "vit_b16_ep50_ctxv1",
+                     "transfer": "vit_b16_c2"}
+"""
+
+
+def test_a_new_trainer_declares_its_protocol_configs_beside_itself(tmp_path):
+    """A plugin trainer's PROTOCOL_CFGS give the grid its configs for every protocol (no edit in
+    tools/); the project's trainers declare theirs the same way."""
+    from engine.registry import TRAINER_REGISTRY
+    from experiments.protocols import trainer_cfgs
+
+    plugin = tmp_path / "protocol_coop.py"
+    plugin.write_text(_PLUGIN_TRAINER)
+    saved = dict(TRAINER_REGISTRY._obj_map)  # the plugin registers into a copy (undone below)
+    try:
+        setup = Setup(plugins=(str(plugin),))
+        assert setup.cfg_for("base2new", "ProtocolCoOp", "eurosat") == "vit_b16_ctxv1"
+        assert setup.cfg_for("base2new", "ProtocolCoOp", "dtd") == "vit_b16_ep50_ctxv1"
+        assert setup.cfg_for("cross_dataset", "ProtocolCoOp", "imagenet") == "vit_b16_c2"
+        assert setup.cfg_for("domain_gen", "ProtocolCoOp", "imagenet") == "vit_b16_c2"
+    finally:
+        TRAINER_REGISTRY._obj_map.clear()
+        TRAINER_REGISTRY._obj_map.update(saved)
+    assert Setup().cfg_for("base2new", "TCP", "sun397") == "vit_b16_ep25_ctxv1"
+    assert Setup().cfg_for("cross_dataset", "CoOp", "dtd") == "vit_b16_ep50_ctxv1"  # ImageNet's
+    assert Setup().cfg_for("cross_dataset", "MaPLe", "dtd").endswith("_cross_datasets")
+    assert trainer_cfgs("ZeroshotCLIP") == {}  # declares none: --cfg needed
+    for name in ("CoOp", "CoCoOp", "MaPLe", "CoPrompt", "TCP", "KgCoOp", "IVLP", "PromptSRC"):
+        for cfg in trainer_cfgs(name).values():  # every declared config exists
+            assert osp.isfile(osp.join(ROOT, "configs", "trainers", name, f"{cfg}.yaml")), cfg

@@ -23,8 +23,8 @@ from experiments.paper_results import (
 )
 from experiments.protocols import Setup, cfg_component, transfer_dirs
 from experiments.results import collect_seeds, log_files, parse_log, read_run
-from experiments.results import main as parse_main
 from tools import make_tables
+from tools.parse_results import main as parse_main
 
 
 # -- the paper's numbers ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from engine.registry import TRAINER_REGISTRY
 from tools.benchmark import class_names
 
 # CoOp-style (one context for all classes), TCP (class-dependent tokens injected inside the
-# tower: row arguments), CoCoOp (per-image prompts, chunked by TRAINER.COCOOP.TEXT_CHUNK too),
+# tower: row arguments), CoCoOp (per-image prompts, chunked by TRAINER.COCOOP.PROMPTS_PER_CALL too),
 # MaPLe and PromptSRC (deep prompts replaced in every chunk)
 TRAINERS = ("CoOp", "KgCoOp", "TCP", "CoCoOp", "MaPLe", "PromptSRC")
 # (TEXT_CHUNK, CHECKPOINT_TEXT) against the plain (0, False)

@@ -5,11 +5,11 @@ Linear(vis_dim // 16, ctx_dim) maps the L2-normalised image feature to a vector 
 context token, so each image gets its own prompts for all classes. Differences from the CoCoOp
 code base, all deliberate:
 
-- the text encoder runs as ONE batched call over all (image x class) prompts, cut into chunks of
-  ``TRAINER.COCOOP.TEXT_CHUNK`` prompts (or an automatic bound) instead of a Python loop over the
-  images; each chunk's prompts are gathered from the frozen class embeddings only when needed,
-  so memory grows with the chunk, not with images x classes (at evaluation; training keeps the
-  graph of every chunk for backward, as CoCoOp's loop did);
+- the text encoder runs as ONE batched call over all (image x class) prompts, cut into chunks
+  of ``TRAINER.COCOOP.PROMPTS_PER_CALL`` prompts (or an automatic bound) instead of a Python loop
+  over the images; each chunk's prompts are gathered from the frozen class embeddings only when
+  needed, so memory grows with the chunk, not with images x classes (at evaluation; training
+  keeps the graph of every chunk for backward, as CoCoOp's loop did);
 - the context and the meta-net are fp32 master parameters in every precision mode (CoCoOp's fp16
   mode trained half-precision weights);
 - prompts are cut to the longest EOT (identical features), the frozen image features are
@@ -49,7 +49,8 @@ def add_cocoop_config(cfg) -> None:
     cfg.TRAINER.COCOOP.PREC = "fp16"  # fp32 | fp16 (half CLIP, fp32 prompt learner) | amp | bf16
     # Prompts (image x class pairs) per text-encoder call; 0: automatic, about
     # AUTO_CHUNK_ELEMENTS activation elements per call. Only memory and speed depend on it.
-    cfg.TRAINER.COCOOP.TEXT_CHUNK = 0
+    # (Formerly TEXT_CHUNK, still read and translated: MODEL.TEXT_CHUNK's 0 means "all at once")
+    cfg.TRAINER.COCOOP.PROMPTS_PER_CALL = 0
 
 
 class ConditionalPromptLearner(PromptLearner):
@@ -112,20 +113,21 @@ class CoCoOpCLIP(FrozenImageCLIP):
     def from_config(cls, cfg, classnames, clip_model):
         """The model of ``cfg`` (TRAINER.COCOOP) for ``classnames``."""
         c = cfg.TRAINER.COCOOP
-        return cls(
-            classnames, clip_model, n_ctx=c.N_CTX, ctx_init=c.CTX_INIT, text_chunk=c.TEXT_CHUNK
-        )
+        chunk = c.PROMPTS_PER_CALL
+        return cls(classnames, clip_model, n_ctx=c.N_CTX, ctx_init=c.CTX_INIT, text_chunk=chunk)
 
     def __init__(self, classnames, clip_model, n_ctx=16, ctx_init="", text_chunk=0):
         super().__init__(clip_model)
         if text_chunk < 0:
-            raise ValueError(f"TRAINER.COCOOP.TEXT_CHUNK must be >= 0 (0: auto), got {text_chunk}")
+            raise ValueError(
+                f"TRAINER.COCOOP.PROMPTS_PER_CALL must be >= 0 (0: auto), got {text_chunk}"
+            )
         self.prompt_learner = ConditionalPromptLearner(classnames, clip_model, n_ctx, ctx_init)
         self.text_encoder = TextEncoder(clip_model)
         self.text_chunk = text_chunk
 
     def chunk_size(self) -> int:
-        """Prompts per text-encoder call: TEXT_CHUNK, or the automatic bound (about
+        """Prompts per text-encoder call: PROMPTS_PER_CALL, or the automatic bound (about
         AUTO_CHUNK_ELEMENTS activation elements, rounded down to whole images when one fits)."""
         if self.text_chunk > 0:
             return self.text_chunk
@@ -169,12 +171,21 @@ class CoCoOpCLIP(FrozenImageCLIP):
 class CoCoOp(TrainerX):
     """Conditional Context Optimization (CoCoOp)."""
 
+    # the grid's default configs (configs/trainers/CoCoOp/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_c4_ep10_batch1_ctxv1",
+    }
+
     add_config = staticmethod(add_cocoop_config)
 
     @classmethod
     def translate_key(cls, key, value, source):
         """KgCoOp's CoCoOp configs' ``CTX_INIT: True/False``: False is "" (random context); True
-        is refused (its meaning there has no equivalent here)."""
+        is refused (its meaning there has no equivalent here). The former name of
+        ``PROMPTS_PER_CALL``, ``TEXT_CHUNK`` (its 0 is "automatic", MODEL.TEXT_CHUNK's "all at
+        once"), is read as the new key (the run's log names the translation)."""
+        if key == "TRAINER.COCOOP.TEXT_CHUNK":
+            return [("TRAINER.COCOOP.PROMPTS_PER_CALL", value)]
         flag = str(value).strip().lower()
         if key != "TRAINER.COCOOP.CTX_INIT" or flag not in ("true", "false"):
             return [(key, value)]

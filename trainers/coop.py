@@ -183,6 +183,12 @@ class CustomCLIP(FrozenImageCLIP):
 class CoOp(PromptTrainer):
     """Context Optimization (CoOp)."""
 
+    # the grid's default configs (configs/trainers/CoOp/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_ctxv1",
+        "base2new/imagenet": "vit_b16_ep50_ctxv1",
+    }
+
     add_config = staticmethod(add_coop_config)
 
     def check_cfg(self, cfg):  # before CLIP is loaded

@@ -320,6 +320,11 @@ def class_descriptions(cfg, classnames: list[str]) -> list[list[str]]:
 class CoPrompt(MaPLe):
     """Consistency-guided Prompt learning (CoPrompt) on MaPLe's prompts."""
 
+    # the grid's default configs (configs/trainers/CoPrompt/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_c2_ep8_batch4_2ctx",
+    }
+
     add_config = staticmethod(add_coprompt_config)
 
     @classmethod

@@ -179,6 +179,11 @@ class IVLP(MaPLe):
     """Independent Vision-Language Prompting: MaPLe's trainer (cross-entropy, nothing frozen to
     precompute, class text features once per evaluation) on independent prompts."""
 
+    # the grid's default configs (configs/trainers/IVLP/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_c2_ep20_batch4_4x4ctx",
+    }
+
     add_config = staticmethod(add_ivlp_config)
     model_name = "VLPromptLearner"  # checkpoint folder, as in PromptSRC's code base
     MODEL_CLASS = IVLPCLIP

@@ -126,6 +126,11 @@ class KgCoOp(PromptTrainer):
     evaluation (:class:`trainers.common.PromptTrainer`).
     """
 
+    # the grid's default configs (configs/trainers/KgCoOp/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_ep100_ctxv1",
+    }
+
     add_config = staticmethod(add_kgcoop_config)
 
     @classmethod

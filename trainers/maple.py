@@ -271,6 +271,12 @@ class MaPLe(TrainerX):
     passes the batch through); the class text features are computed once per evaluation.
     """
 
+    # the grid's default configs (configs/trainers/MaPLe/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_c2_ep5_batch4_2ctx",
+        "transfer": "vit_b16_c2_ep5_batch4_2ctx_cross_datasets",
+    }
+
     add_config = staticmethod(add_maple_config)
     model_name = "MultiModalPromptLearner"  # checkpoint folder, as in MaPLe's code base
 

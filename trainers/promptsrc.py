@@ -213,6 +213,12 @@ class PromptSRC(IVLP):
     """PromptSRC: IVLP's prompts, CE plus the self-regulating losses, and Gaussian prompt
     aggregation over epochs."""
 
+    # the grid's default configs (configs/trainers/PromptSRC/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_c2_ep20_batch4_4x4ctx",
+        "transfer": "vit_b16_c2_ep5_batch4_4x4ctx_cross_datasets",
+    }
+
     add_config = staticmethod(add_promptsrc_config)
     MODEL_CLASS = PromptSRCCLIP
     GPA_FILE = "gpa_state.pth"

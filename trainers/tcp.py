@@ -279,6 +279,13 @@ class TCP(PromptTrainer):
     """Textual-based Class-aware Prompt tuning (TCP); image features once per step, text
     features once per evaluation."""
 
+    # the grid's default configs (configs/trainers/TCP/<cfg>.yaml; experiments/protocols.py)
+    PROTOCOL_CFGS = {
+        "base2new": "vit_b16_ep100_ctxv1",
+        "base2new/imagenet": "vit_b16_ep25_ctxv1",
+        "base2new/sun397": "vit_b16_ep25_ctxv1",
+    }
+
     add_config = staticmethod(add_tcp_config)
 
     @classmethod

@@ -37,9 +37,11 @@ weights with this trainer's ``MODEL.BACKBONE`` (engine.clip.active_backbone).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from engine.clip import active_backbone
 from engine.errors import ConfigError
@@ -49,6 +51,8 @@ from engine.trainer import TrainerX as _EngineTrainerX
 from engine.utils import AverageMeter, MetricMeter
 from optim.build import get_optimizer_spec
 from optim.errors import UserError
+from optim.sharpness import STEP_NEEDS
+from optim.step import PassOutputs, StepBatch
 
 from .file_errors import TrainerFileError, trainer_file_error
 
@@ -88,6 +92,74 @@ class _Step:
         self.updates = 0  # model_backward_and_update calls in the first pass
         self.replaying = False
         self.stats: dict = {}  # the optimizer's diagnostics of the step (logged with the loss)
+        self.view: StepBatch | None = None  # the step as the sharpness-aware optimizer sees it
+        self.in_file = False  # the file's forward_backward runs (the recorder acts)
+        self.outputs: PassOutputs | None = None  # the cross-entropy recorded in this pass
+        self.loss: torch.Tensor | None = None  # the loss the file backpropagated itself
+
+
+def _recorded_ce(args, kwargs, out) -> PassOutputs | None:
+    """``F.cross_entropy(logits [B, C], label [B])`` (mean, no weights) as the step's outputs."""
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+    bound = {**dict(zip(names, args)), **kwargs}
+    logits, label = bound.get("input"), bound.get("target")
+    plain = bound.get("weight") is None and bound.get("reduction", "mean") == "mean"
+    plain = plain and bound.get("size_average") is None and bound.get("reduce") is None
+    if not (plain and isinstance(logits, torch.Tensor) and isinstance(label, torch.Tensor)):
+        return None
+    if logits.dim() != 2 or label.dim() != 1 or label.dtype != torch.long:
+        return None
+    if len(label) != len(logits) or bool((label == bound.get("ignore_index", -100)).any()):
+        return None
+    smoothing = args[7] if len(args) > 7 else kwargs.get("label_smoothing", 0.0)
+    return PassOutputs(logits, label, out, float(smoothing))
+
+
+@contextmanager
+def _recording(step: _Step):
+    """While a Dassl file's ``forward_backward`` takes a sharpness-aware step: records the
+    pass's ``F.cross_entropy`` (logits and labels: ESAM's per-item losses, SAF/MESA's outputs)
+    and takes over the file's own ``loss.backward()`` (CoCoOp's step): the optimizer step
+    backpropagates that loss itself, and in a replayed pass the call ends the pass. Only while
+    ``step.in_file`` (the engine's own calls pass through). The two functions are swapped in
+    for the step, not wrapped in a torch function mode, which would change the kernels of
+    attention (its fast path is off under any mode) and so the results."""
+    cross_entropy, backward = F.cross_entropy, torch.Tensor.backward
+
+    def recorded_cross_entropy(*args, **kwargs):
+        out = cross_entropy(*args, **kwargs)
+        if step.in_file and step.outputs is None:
+            step.outputs = _recorded_ce(args, kwargs, out)
+        return out
+
+    def taken_backward(self, *args, **kwargs):
+        if not (step.in_file and self.dim() == 0):
+            return backward(self, *args, **kwargs)
+        if step.replaying:
+            raise _SecondPass(self)
+        step.loss = self  # backpropagated by the optimizer step (the file's optim.step())
+        return None
+
+    F.cross_entropy, torch.Tensor.backward = recorded_cross_entropy, taken_backward
+    try:
+        yield
+    finally:
+        F.cross_entropy, torch.Tensor.backward = cross_entropy, backward
+
+
+def _batch_part(batch, subset: torch.Tensor):
+    """The items ``subset`` of a loader batch (tensors and lists of the batch's length)."""
+    size = len(batch["label"])
+    idx = subset.tolist()
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size:
+            out[k] = v[subset.to(v.device)]
+        elif isinstance(v, (list, tuple)) and len(v) == size:
+            out[k] = type(v)(v[i] for i in idx)
+        else:
+            out[k] = v
+    return out
 
 
 def _raise_file_error(cls, e: Exception, stage: str) -> None:
@@ -155,7 +227,7 @@ class TrainerX(_EngineTrainerX):
             _raise_file_error(type(self), e, "while building its model (build_model)")
             raise
         for opt in self._optims.values():  # files that call self.optim.step() themselves
-            if opt is not None and get_optimizer_spec(opt).needs_closure:
+            if opt is not None and get_optimizer_spec(opt).kind == "sharpness":
                 opt.step = partial(self._file_optimizer_step, opt)
 
     # -- what the file manages itself -----------------------------------------------------
@@ -186,28 +258,48 @@ class TrainerX(_EngineTrainerX):
                 "OPTIM.LR_STEP_PER_BATCH is True, but a Dassl trainer file steps its LR scheduler "
                 "itself (update_lr() in forward_backward): set OPTIM.LR_STEP_PER_BATCH False"
             )
-        if self._file_scaler is not None and self.optim_step.two_pass:
+        if self._file_scaler is not None and self.optim_step.sharp:
             raise ConfigError(
                 f"{type(self).__name__} steps its own GradScaler (its PREC amp branch), which "
-                f"cannot drive the sharpness-aware optimizer {self.cfg.OPTIM.SAM.NAME!r} (two "
-                "passes per step): use PREC fp32 or fp16 with OPTIM.SAM.NAME"
+                f"cannot drive the sharpness-aware optimizer {self.cfg.OPTIM.SAM.NAME!r} (its "
+                "step takes the loss, not scaled gradients): use PREC fp32 or fp16 with "
+                "OPTIM.SAM.NAME"
             )
         super().before_train()
 
     # -- the step ---------------------------------------------------------------------------
+    def step_gives(self) -> frozenset[str]:
+        """Everything the optimizer step may need (the replay gives the passes, the recorder
+        the logits): a Dassl file runs with every optimizer."""
+        return frozenset(STEP_NEEDS)
+
     def train_step(self, batch) -> dict:
         if self.ENGINE_STEPS_LR:  # the two-step protocol: the engine's forward_backward
             return super().train_step(batch)
         self._step = step = _Step(batch)
+        sharp = self.optim_step.sharpness_active(self.epoch)
         try:
-            summary = self.forward_backward(batch)
-        except Exception as e:
-            where = f"epoch {self.epoch + 1}, batch {self.batch_idx + 1}"
-            _raise_file_error(type(self), e, f"in a training step (forward_backward, {where})")
+            if sharp:  # the step's contract: opened before the first forward, passes replayed
+                index = batch.get("index") if isinstance(batch, dict) else None
+                if index is not None:
+                    index = torch.as_tensor(index).to(self.device)
+                step.view = StepBatch(partial(self._file_pass, step), index)
+                with _recording(step):
+                    self.optim_step.begin_step(step.view, self.epoch)
+                    step.in_file = True
+                    summary = self.forward_backward(batch)
+            else:
+                summary = self.forward_backward(batch)
+        except BaseException as e:
+            if sharp and step.updates == 0:
+                self.optim_step.abort_step(self.epoch)  # e.g. RWP's perturbed weights back
+            if isinstance(e, Exception):
+                where = f"epoch {self.epoch + 1}, batch {self.batch_idx + 1}"
+                _raise_file_error(type(self), e, f"in a training step (forward_backward, {where})")
             raise
         finally:
             self._step = None
-        if step.updates == 0 and self.optim_step.sharpness_active(self.epoch):
+        if step.updates == 0 and sharp:
             raise ReplayError(
                 f"{type(self).__name__}.forward_backward did not call "
                 f"model_backward_and_update(loss), but the sharpness-aware optimizer "
@@ -218,6 +310,16 @@ class TrainerX(_EngineTrainerX):
         if isinstance(summary, dict):
             summary = {**summary, **step.stats}
         return summary
+
+    def _update(self, step: _Step, loss: torch.Tensor) -> None:
+        """The first pass's update: the optimizer step with the replay as its passes."""
+        step.updates += 1
+        step.view.first, step.outputs = step.outputs, None
+        step.in_file = False
+        try:
+            step.stats = self.optim_step(loss, step.view.loss, self.epoch, batch=step.view)
+        finally:
+            step.in_file = True
 
     def model_backward_and_update(self, loss: torch.Tensor, names=None) -> None:
         """Backward and update through the engine's optimizer step (see the module docstring);
@@ -250,18 +352,20 @@ class TrainerX(_EngineTrainerX):
                 "than once per step: a sharpness-aware optimizer takes one loss per step. Sum "
                 f"the losses into one call, or state the two-step protocol ({_DOCS})"
             )
+        if two_pass:
+            self._update(step, loss)
+            return
+        stats = self.optim_step(loss, None, self.epoch)  # a one-pass optimizer
         if step is not None:
             step.updates += 1
-        loss_fn = partial(self._replay, step) if two_pass else None
-        stats = self.optim_step(loss, loss_fn, self.epoch)
-        if step is not None:
             step.stats = stats
 
     def _file_optimizer_step(self, opt, closure=None, **kwargs):
         """``step()`` of a sharpness-aware optimizer that the file calls itself after its own
         ``loss.backward()`` (CoCoOp's ``optim.zero_grad(); loss.backward(); optim.step()``):
-        the same replay, ended at the replayed ``step()`` call, whose backward has given the
-        gradient at the perturbed weights. The engine's own calls pass a closure."""
+        the recorder took that backward over, so the step is the engine's, with that loss and
+        the replay (ended at the replayed ``loss.backward()``) as its passes. The engine's own
+        calls pass a closure."""
         if closure is not None or kwargs:
             return type(opt).step(opt, closure, **kwargs)
         if not self.optim_step.sharpness_active(self.epoch):
@@ -272,35 +376,42 @@ class TrainerX(_EngineTrainerX):
                 "A sharpness-aware optimizer's step() was called outside forward_backward: its "
                 "second pass replays forward_backward(batch)"
             )
-        if step.replaying:
-            raise _SecondPass(None)  # the replay's own backward gave the perturbed gradient
+        if step.replaying or step.loss is None:
+            raise ReplayError(
+                f"{type(self).__name__}.forward_backward calls its optimizer's step() without a "
+                "loss.backward() before it (on the step's loss, a 0-d tensor): the sharpness-"
+                f"aware optimizer needs that loss. Call model_backward_and_update(loss) ({_DOCS})"
+            )
         if step.updates:
             raise ReplayError(
                 f"{type(self).__name__}.forward_backward steps its optimizer more than once per "
                 f"step: a sharpness-aware optimizer takes one loss per step ({_DOCS})"
             )
-        step.updates += 1
-        type(opt).step(opt, partial(self._replay, step))
-        step.stats = dict(getattr(opt, "last_stats", None) or {})
+        loss, step.loss = step.loss, None
+        self._update(step, loss)
 
-    def _replay(self, step: _Step) -> torch.Tensor | None:
-        """The loss at the current (perturbed) weights: ``forward_backward`` on the same batch,
-        ended inside its ``model_backward_and_update``."""
+    def _file_pass(self, step: _Step, subset: torch.Tensor | None):
+        """A pass at the current weights, for the optimizer (:class:`optim.step.StepBatch`):
+        ``forward_backward`` replayed on the batch (or its items ``subset``), ended inside its
+        ``model_backward_and_update`` (or its ``loss.backward()``); ``(loss, recorded
+        cross-entropy)``."""
+        batch = step.batch if subset is None else _batch_part(step.batch, subset)
         before = self._snapshot()
-        step.replaying = True
+        in_file, step.in_file, step.replaying, step.outputs = step.in_file, True, True, None
         try:
-            self.forward_backward(step.batch)
+            self.forward_backward(batch)
         except _SecondPass as done:
             loss = done.loss
         else:
             raise ReplayError(
-                f"The replayed {type(self).__name__}.forward_backward (the sharpness-aware "
-                "second pass, same batch) returned without calling model_backward_and_update"
-                "(loss) or its optimizer's step(): its path must not depend on state that the "
+                f"The replayed {type(self).__name__}.forward_backward (a sharpness-aware "
+                "optimizer's pass, same batch) returned without calling model_backward_and_update"
+                "(loss) or loss.backward(): its path must not depend on state that the "
                 f"first pass changed ({_DOCS})"
             )
         finally:
-            step.replaying = False
+            step.replaying, step.in_file = False, in_file
+        outputs, step.outputs = step.outputs, None
         changed = self._changes(before)
         if changed:
             raise ReplayError(
@@ -309,7 +420,7 @@ class TrainerX(_EngineTrainerX):
                 "loss): everything before that call runs twice. Move such side effects after "
                 f"the call, or state the two-step protocol ({_DOCS})"
             )
-        return loss
+        return loss, outputs
 
     def _snapshot(self) -> dict:
         attrs = {k: (id(v), v if isinstance(v, (int, float, str, bool)) else None)

@@ -20,6 +20,11 @@ from optim import HParam, register_optimizer
 from optim.sharpness import EPS, SharpnessAwareOptimizer
 from trainers.coop import CoOp, add_coop_config
 
+# declared once: the config key, its default and help, its range (config check and constructor)
+SHRINK = HParam(
+    "SHRINK", "shrink", 0.5, "shrinksam: radius factor", lambda v: 0 < v <= 1, "a number in (0, 1]"
+)
+
 
 class ShrinkSAM(SharpnessAwareOptimizer):
     """SAM with the radius ``shrink * rho``: ``e = shrink * rho * g / (||g|| + eps)``."""
@@ -29,11 +34,12 @@ class ShrinkSAM(SharpnessAwareOptimizer):
         params,
         base_optimizer=torch.optim.SGD,
         rho: float = 0.05,
-        shrink: float = 0.5,
+        shrink: float = SHRINK.default,
         variant: str = "paper",
         schedule: str = "constant",
         **base_kwargs,
     ):
+        SHRINK.check(shrink)
         defaults = dict(rho=rho, shrink=shrink)
         super().__init__(params, base_optimizer, defaults, variant, schedule, **base_kwargs)
 
@@ -48,7 +54,7 @@ register_optimizer(
     "SAM with a shrunk radius (extension example)",
     kind="sharpness",
     needs_closure=True,
-    hparams=("RHO", HParam("SHRINK", "shrink", 0.5, "radius factor"), "VARIANT", "SCHEDULE"),
+    hparams=("RHO", SHRINK, "VARIANT", "SCHEDULE"),
     test_kwargs=dict(rho=0.05, shrink=0.5),
 )
 
