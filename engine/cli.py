@@ -109,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(finite) checkpoint with the new values",
     )
     parser.add_argument(
+        "--skip-done",
+        action="store_true",
+        help="stop at once (exit 0, nothing written) when the output folder already holds this "
+        "run's result (same experiment), checked once the folder's lock is held; "
+        "tools/grid.py passes it, so two grids on one output never repeat a finished run",
+    )
+    parser.add_argument(
+        "--wait-for-folder",
+        action="store_true",
+        help="when another process holds the output folder, wait until it gives it back "
+        "instead of stopping (with --skip-done: then stop if that run finished this one)",
+    )
+    parser.add_argument(
         "--plugin",
         action="append",
         default=[],
@@ -227,7 +240,8 @@ def main(args) -> int:
         return _follow(args, cfg)  # data-parallel (#29): rank 0 owns the run folder
     folder = RunFolder(cfg.OUTPUT_DIR)
     try:
-        folder.acquire()  # one process per folder, for the run's life
+        # one process per folder, for the run's life (a grid's run waits for a held one)
+        folder.acquire(wait=getattr(args, "wait_for_folder", False))
         try:
             return _run_in_folder(args, cfg, folder, notes)
         finally:
@@ -245,6 +259,8 @@ def _follow(args, cfg) -> int:
 
     distributed.setup_follower_logging()
     error = distributed.wait_for_main()
+    if error == distributed.ALREADY_DONE:  # rank 0 found the run finished under its lock
+        return 0
     if error is not None:
         logger.warning("rank 0 stopped before training: %s", error)
         return 2
@@ -301,6 +317,13 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
     experiment = experiment_config(cfg, run)
     if not in_place:  # the folder stays its training run's: nothing to compare or record
         folder.check_experiment(experiment, force=force)  # before config.yaml is rewritten
+        skip = getattr(args, "skip_done", False) and not moved
+        if skip and folder.same_experiment(experiment):
+            done = folder.result_log(bool(args.eval_only))  # checked under the lock: final
+            if done:
+                print(f"Already done: {folder.path} holds its result ({done}); nothing to do")
+                distributed.release_followers(distributed.ALREADY_DONE)  # #29: they end too
+                return 0
     if not args.eval_only:
         folder.check_divergence(force=force)
     folder.remove_orphans()

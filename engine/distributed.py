@@ -147,6 +147,10 @@ def setup_follower_logging() -> None:
 _released = False  # rank 0 told the others whether the run goes on (once per run)
 
 
+# what rank 0 tells the others when it finds the run finished under the folder's lock (--skip-done)
+ALREADY_DONE = "already done"
+
+
 def release_followers(error: str | None = None) -> None:
     """Rank 0: the run folder is ready (or ``error``: the run stops before training); the others
     wait for it. Once per run: later calls do nothing."""

@@ -1,8 +1,13 @@
 """A run folder (OUTPUT_DIR) is owned by one process and belongs to one experiment.
 
 - **Lock**: ``<output>/.lock`` holds the owner's pid and host and is ``fcntl.flock``-ed for the
-  run's life; a second run into the folder stops with an :class:`OutputError` naming the owner.
-  The lock dies with its process, so a stale file of a killed run is simply taken over.
+  run's life; a second run into the folder stops with an :class:`OutputError` naming the owner
+  (or, ``train.py --wait-for-folder``, waits for it). The lock dies with its process, so a
+  stale file of a killed run is simply taken over. :func:`lock_holder` tells who holds a folder
+  (the grid skips such runs until last).
+- **Done**: :meth:`RunFolder.result_log` finds the run's result in its logs; ``train.py
+  --skip-done`` checks it once it holds the lock and stops there (a grid running beside another
+  never repeats a run the other just finished).
 - **Experiment**: ``<output>/experiment.json`` holds the config keys that define the experiment
   (all keys but those in :data:`NOT_EXPERIMENT_KEYS`: paths, logging, worker counts, ...). A
   re-run with different values stops with the differing keys, before ``config.yaml`` is
@@ -11,7 +16,7 @@
 - **No experiment yet**: a folder that holds no checkpoint (its earlier run only evaluated, or
   failed or stopped before its first checkpoint) has nothing a re-run could resume or mix with,
   so it belongs to no experiment: a run with other values proceeds, as Dassl re-runs into any
-  folder, and the earlier run's ``log.txt`` and ``scalars.jsonl`` are kept as
+  folder, and the earlier run's ``log.txt``, ``scalars.jsonl`` and ``tensorboard/`` are kept as
   ``<name>-<time>`` (:meth:`RunFolder.set_aside_previous_run`).
 - **Divergence**: a run that stopped on NaN/inf leaves ``<output>/diverged.json``; a re-run
   refuses to resume past it unless ``--force-resume`` (or ``--overwrite``) is given.
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import logging
 import os
 import os.path as osp
+import re
 import socket
 import time
 
@@ -34,6 +41,11 @@ from .errors import OutputError
 from .utils import atomic_write_text, output_error, remove_orphan_tmp_files
 
 logger = logging.getLogger(__name__)
+
+# a run's result in its log (as experiments/results.py reads it)
+_ACCURACY_RE = re.compile(r"\* accuracy: ([\.\deE+-]+)%")
+_TRAIN_END_RE = re.compile(r"Finish(?:ed)? training")
+_RESULT_RE = re.compile(r"=> result\b")
 
 LOCK_NAME = ".lock"
 EXPERIMENT_NAME = "experiment.json"
@@ -139,8 +151,9 @@ class RunFolder:
         self.reclaimed: list[str] = []
 
     # -- lock ------------------------------------------------------------------------------------
-    def acquire(self) -> None:
-        """Create the folder and hold its lock; raise OutputError if another process holds it."""
+    def acquire(self, wait: bool = False) -> None:
+        """Create the folder and hold its lock; raise OutputError if another process holds it,
+        or with ``wait`` wait until it gives the folder back (it finished, failed or died)."""
         lock = osp.join(self.path, LOCK_NAME)
         try:
             os.makedirs(self.path, exist_ok=True)
@@ -157,12 +170,25 @@ class RunFolder:
             owner = ""
             with contextlib.suppress(OSError):
                 owner = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            if wait:
+                print(
+                    f"Output folder {self.path} is in use by another run "
+                    f"({owner or 'owner unknown'}): waiting for it to finish",
+                    flush=True,
+                )
+                fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the holder releases or dies
+                self._hold(fd)
+                return
             os.close(fd)
             raise OutputError(
                 f"Output folder {self.path} is in use by another run ({owner or 'owner unknown'})."
                 " Two runs in one folder would mix their checkpoints and logs: wait for it to "
                 "finish (or stop it), or choose another --output-dir."
             ) from None
+        self._hold(fd)
+
+    def _hold(self, fd: int) -> None:
+        """Record this process as the holder of the locked ``fd``."""
         info = f"pid {os.getpid()} on host {socket.gethostname()}, since {time.ctime()}\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
@@ -182,6 +208,26 @@ class RunFolder:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    # -- the run's result ------------------------------------------------------------------------
+    def result_log(self, eval_only: bool) -> str | None:
+        """The newest log of the folder that holds the run's result, or None.
+
+        A training run's result is an accuracy after its ``Finish training`` line, an
+        ``--eval-only`` run's one after ``=> result``; the same rule as experiments/results.py,
+        which the grid reads (``log.txt``, then ``log.txt-<time>``, newest first).
+        """
+        first = osp.join(self.path, "log.txt")
+        logs = [first] if osp.isfile(first) else []
+        logs += sorted(p for p in glob.glob(first + "-*") if osp.isfile(p))
+        marker = _RESULT_RE if eval_only else _TRAIN_END_RE
+        for path in reversed(logs):
+            with open(path, errors="replace") as f:
+                text = f.read()
+            found = marker.search(text)
+            if found and _ACCURACY_RE.search(text, found.end()):
+                return path
+        return None
+
     # -- orphans ---------------------------------------------------------------------------------
     def remove_orphans(self) -> None:
         """Delete temporary files of atomic writes that crashed (we hold the lock) in the folder
@@ -197,6 +243,12 @@ class RunFolder:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError), open(path) as f:
                 return json.load(f)["config"], path
         return None, path
+
+    def same_experiment(self, flat: dict) -> bool:
+        """Whether the folder records no experiment or the experiment ``flat`` (up to keys of
+        one side only, see :meth:`check_experiment`)."""
+        old, _ = self._recorded()
+        return old is None or not _differences(old, flat)
 
     def check_experiment(self, flat: dict, force: bool = False) -> None:
         """Compare ``flat`` (see :func:`experiment_config`) with the folder's experiment.
@@ -245,13 +297,13 @@ class RunFolder:
         return False
 
     def set_aside_previous_run(self) -> list[str]:
-        """Keep the earlier run's ``log.txt`` and ``scalars.jsonl`` (of a folder accepted by
-        :meth:`check_experiment` without a checkpoint) as ``<name>-<time of its last write>``,
-        Dassl's suffix; returns the new names."""
+        """Keep the earlier run's ``log.txt``, ``scalars.jsonl`` and ``tensorboard/`` (of a
+        folder accepted by :meth:`check_experiment` without a checkpoint) as ``<name>-<time of
+        its last write>``, Dassl's suffix; returns the new names."""
         kept = []
-        for name in ("log.txt", "scalars.jsonl"):
+        for name in ("log.txt", "scalars.jsonl", "tensorboard"):
             path = osp.join(self.path, name)
-            if not osp.isfile(path):
+            if not osp.exists(path):
                 continue
             stamp = time.strftime("-%Y-%m-%d-%H-%M-%S", time.localtime(osp.getmtime(path)))
             dest, n = path + stamp, 1
@@ -311,6 +363,28 @@ class RunFolder:
         except OSError as e:
             raise output_error(e, dest) from e
         return dest
+
+
+def lock_holder(path: str) -> str | None:
+    """Who holds the lock of run folder ``path`` (``"pid N on host H, since ..."``), or None
+    when no process does (no folder, no lock file, or a stale one of a dead process).
+
+    A look only: it takes a shared lock for an instant and never creates anything.
+    """
+    try:
+        fd = os.open(osp.join(path, LOCK_NAME), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            return owner or "owner unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def write_divergence(output_dir: str, epoch: int, batch: int, message: str) -> None:

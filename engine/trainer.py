@@ -76,11 +76,14 @@ TRAIN_END_LINES = ("Finish training", "Finished training")
 
 
 def _scalar_row_before(row: dict, start_iter: int, start_epoch: int) -> bool:
-    """Whether a ``scalars.jsonl`` row precedes a resume at ``start_epoch`` (training rows are
-    indexed by iteration, evaluation rows by epoch)."""
+    """Whether a ``scalars.jsonl`` row precedes a (re)start at ``start_epoch`` (training rows are
+    indexed by iteration, evaluation rows by epoch). The final test's rows (``test/``) come
+    after the last checkpoint: a resumed run always writes them again."""
     step = row.get("step", 0)
     if any(k.startswith("train/") for k in row):
         return step < start_iter
+    if any(k.startswith("test/") for k in row):
+        return False
     return step < start_epoch
 
 
@@ -442,10 +445,12 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         if dm is not None and self.start_epoch < self.max_epoch:
             phases.enter("caches")
             dm.cache_training_images()
-        keep = None
-        if self.start_epoch > 0:  # resumed: the steps from here on are written again
-            start_iter = self.start_epoch * len(self.train_loader_x)
-            keep = partial(_scalar_row_before, start_iter=start_iter, start_epoch=self.start_epoch)
+        if self.start_epoch > 0:  # the final test of a run resumed after its last epoch
+            self.epoch = self.start_epoch - 1  # logs at that epoch, as without the interruption
+        # rows of a killed run after its last checkpoint (or of one killed before its first)
+        # are written again from here: drop them, so each step is in the logs once
+        start_iter = self.start_epoch * len(self.train_loader_x)
+        keep = partial(_scalar_row_before, start_iter=start_iter, start_epoch=self.start_epoch)
         self.writer.open(self.output_dir, osp.join(self.output_dir, "tensorboard"), keep=keep)
         self.time_start = time.time()
         self.cost = RunCost(self.device, self.output_dir, self._cost_meta(), self.start_epoch > 0)

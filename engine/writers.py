@@ -7,14 +7,18 @@ transfer; the training loop flushes at its print frequency, so a step makes no h
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
+import os
 import os.path as osp
 import threading
 from collections.abc import Callable
 
 import torch
 
+from .faults import fault_point
 from .utils import OUTPUT_ERRNOS, atomic_write_text, mkdir_if_missing, output_error
 
 logger = logging.getLogger(__name__)
@@ -51,20 +55,25 @@ class ScalarWriter:
         starts at the first flush.
 
         Args:
-            keep: for a resumed run, which existing rows to keep (``row -> bool``; a row is
-                ``{"step": ..., tag: value, ...}``); the others (the steps the run is about to
-                write again) are dropped by rewriting the file atomically, so each step is
-                written once.
+            keep: for a training run that starts or resumes in a folder, which existing rows to
+                keep (``row -> bool``; a row is ``{"step": ..., tag: value, ...}``); the others
+                (the steps the run is about to write again) are dropped by rewriting the file
+                atomically, so each step is written once. The tensorboard events already in
+                ``tensorboard_dir`` are rewritten to the kept rows too (tensorboard has no way
+                to drop events of a tag but a new file).
         """
         from .distributed import is_main_process
 
         if not is_main_process():  # data-parallel (#29): rank 0 writes the scalars
             return
         path = osp.join(output_dir, "scalars.jsonl")
-        if keep is not None and self._file is None and osp.isfile(path):
-            self._drop_rows(path, keep)
+        kept = None
+        if keep is not None and self._file is None:
+            kept = self._drop_rows(path, keep) if osp.isfile(path) else []
         if self._tb is None:
             self._tb_dir = tensorboard_dir  # the writer starts with the first scalars written
+            if kept is not None:
+                self._rewrite_tensorboard(tensorboard_dir, kept)
         if self._file is None:
             try:
                 mkdir_if_missing(output_dir)
@@ -74,10 +83,12 @@ class ScalarWriter:
             self._path = path
 
     @staticmethod
-    def _drop_rows(path: str, keep: Callable[[dict], bool]) -> None:
+    def _drop_rows(path: str, keep: Callable[[dict], bool]) -> list[dict]:
+        """Keep the rows of ``path`` that ``keep`` accepts (rewriting it if any goes); returns
+        them."""
         with open(path) as f:
             lines = f.readlines()
-        kept = []
+        kept, rows = [], []
         for line in lines:
             try:
                 row = json.loads(line)
@@ -85,11 +96,36 @@ class ScalarWriter:
                 continue
             if isinstance(row, dict) and keep(row):
                 kept.append(line if line.endswith("\n") else line + "\n")
+                rows.append(row)
         if len(kept) != len(lines):
             atomic_write_text(path, "".join(kept))
             logger.info(
                 "scalars.jsonl: dropped %d rows of the resumed steps", len(lines) - len(kept)
             )
+        return rows
+
+    def _rewrite_tensorboard(self, tb_dir: str, rows: list[dict]) -> None:
+        """Replace the event files in ``tb_dir`` by one holding ``rows`` (the rows of
+        ``scalars.jsonl`` a resumed run keeps), so tensorboard shows each step once."""
+        old = sorted(glob.glob(osp.join(tb_dir, "events.out.tfevents.*")))
+        if not old:
+            return
+        tb = self._tensorboard()
+        if tb is None:  # not installed: the old events stay as they are
+            return
+        for row in rows:
+            for k, v in row.items():
+                if k != "step":
+                    tb.add_scalar(k, v, row.get("step", 0))
+        tb.flush()  # a file of its own, named when the writer started: the old ones go
+        for name in old:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(name)
+        logger.info(
+            "tensorboard: the events of %d earlier file(s) rewritten as the %d kept rows",
+            len(old),
+            len(rows),
+        )
 
     def add(self, values: dict, global_step: int) -> None:
         """Queue scalars (numbers or 0-d tensors) for ``global_step``."""
@@ -130,6 +166,7 @@ class ScalarWriter:
                 self._file.flush()
             except OSError as e:
                 raise output_error(e, self._path) from e
+            fault_point("scalars")  # tests kill here (engine/faults.py)
 
     def close(self) -> None:
         """Flush and close both writers; a failed write (a full disk, a read-only folder) is

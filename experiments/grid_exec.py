@@ -7,9 +7,12 @@ other's modules for it.
 from __future__ import annotations
 
 import datetime
+import fcntl
+import hashlib
 import os
 import os.path as osp
 import shlex
+import socket
 import subprocess
 import threading
 import time
@@ -28,6 +31,7 @@ class Progress:
 
     def __init__(self, total: int):
         self.total, self.started, self.finished, self.failed = total, 0, 0, []
+        self.started_dirs: set[str] = set()  # the folders of the runs this process started
         self.t0 = time.time()
         self.lock = threading.Lock()
 
@@ -43,6 +47,7 @@ class Progress:
         action = "resume" if status == "partial" and run.stage == "train" else "run"
         with self.lock:
             self.started += 1
+            self.started_dirs.add(run.out_dir)
             print(f"[{action} {self.started}/{self.total}{where}] {run.label}", flush=True)
             print(f"  {shlex.join(cmd)}", flush=True)
 
@@ -71,6 +76,67 @@ def torchrun_command(cmd: list[str], nproc: int) -> list[str]:
     python, script, *args = cmd
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     return [python, *launch, script, *args]
+
+
+# Given to every train.py run of a grid: a run whose folder another process holds (a second grid
+# on the same output, a requeued job) is waited for, and a run found finished once its folder's
+# lock is held ends at once, so a run is never trained or evaluated twice (engine/run_folder.py).
+GRID_FLAGS = ("--skip-done", "--wait-for-folder")
+
+
+CLAIMS = ".claims"  # under the output root: one lock file per chain a local grid works on
+
+
+class ChainClaim:
+    """A local grid's hold on a chain: ``<output>/.claims/<chain>.lock``, ``flock``-ed by the
+    grid while one of its workers runs the chain, so a second grid on the same output takes
+    other chains (the run folders' own locks are taken only once train.py has started, seconds
+    later). The lock dies with the grid; the emptied file stays.
+    """
+
+    def __init__(self, output: str, chain: Chain):
+        rel = osp.relpath(chain.train.out_dir, output)
+        name = hashlib.sha1(rel.encode()).hexdigest()[:16]
+        self.path = osp.join(output, CLAIMS, f"{name}.lock")
+        self.what = rel
+        self._fd: int | None = None
+
+    def take(self, wait: bool = False) -> str | None:
+        """Hold the claim; returns None, or (without ``wait``) the holder when another process
+        holds it."""
+        os.makedirs(osp.dirname(self.path), exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            return holder or "another grid"
+        info = f"grid pid {os.getpid()} on host {socket.gethostname()}, since {time.ctime()}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{info}: {self.what}\n".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)
+            self._fd = None
+
+
+def held_runs(chain: Chain) -> list[tuple[Run, str]]:
+    """The unfinished runs of ``chain`` whose folders another process holds, with the holder
+    (``pid N on host H, since ...``)."""
+    from engine.run_folder import lock_holder
+
+    held = []
+    for run in chain.runs:
+        if run_status(run) != "done":
+            holder = lock_holder(run.out_dir)
+            if holder:
+                held.append((run, holder))
+    return held
 
 
 def _execute(cmd: list[str], out_dir: str, env: dict | None, stream: bool, worker=None) -> int:
@@ -116,6 +182,7 @@ def execute_chain(
                     raise ProtocolError("its training run has no result")
                 epoch = load_epoch(run.model_dir)
             cmd = run.command(setup, epoch)
+            cmd[2:2] = GRID_FLAGS  # [python, train.py, flags..., args...]
             if nproc > 1:  # data-parallel runs (#29): experiments/grid_distributed.py
                 cmd = torchrun_command(cmd, nproc)
         except ProtocolError as e:

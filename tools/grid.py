@@ -17,7 +17,10 @@ checkpoint read paid once; folders, logs and numbers as with one train.py proces
 without it every run is its own train.py process.
 
 Finished runs (a result line in their log) are skipped; a run folder without a result is
-re-run into the same folder, where train.py resumes from the last checkpoint. Before anything
+re-run into the same folder, where train.py resumes from the last checkpoint. A run whose folder
+another process holds (a second grid on the same output) is left for last, then waited for; a
+run found finished once its folder's lock is held is not run again (train.py --skip-done
+--wait-for-folder), so two grids on one output share its runs and each runs once. Before anything
 starts, the data (``tools/check_data.py``), the merged configs and the CLIP weights are
 checked. The output layout is described in ``experiments/protocols.py``.
 
@@ -67,7 +70,13 @@ if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
 from experiments.grid_estimate import report_actual, report_plan  # noqa: E402
-from experiments.grid_exec import GridError, Progress, execute_chain  # noqa: E402
+from experiments.grid_exec import (  # noqa: E402
+    ChainClaim,
+    GridError,
+    Progress,
+    execute_chain,
+    held_runs,
+)
 from experiments.grid_plan import (  # noqa: E402
     AXES,
     PRESETS,
@@ -152,11 +161,35 @@ def run_local(
     long-lived process running its runs in-process (engine/runner.py); else every run is a
     train.py process.
     """
-    total = sum(run_status(r) != "done" for c in chains for r in c.runs)
-    progress = Progress(total)
+    todo = {r.out_dir for c in chains for r in c.runs if run_status(r) != "done"}
+    progress = Progress(len(todo))
     queue: Queue = Queue()
     for chain in chains:
         queue.put(chain)
+    deferred: set[str] = set()  # chains put back once because another process held them
+
+    def take(chain: Chain) -> ChainClaim | None:
+        """The claim of ``chain`` (ChainClaim), or None when another process holds the chain
+        or one of its runs and other chains wait: ``chain`` is then put back, once; the second
+        time this waits for the other grid's claim (train.py waits for a run folder's lock)."""
+        claim = ChainClaim(setup.output, chain)
+        holder = claim.take()
+        held = [(chain.train, holder)] if holder else held_runs(chain)
+        if not held:
+            return claim
+        claim.release()
+        run, holder = held[0]
+        with progress.lock:
+            later = chain.train.out_dir not in deferred and not queue.empty()
+            if later:
+                deferred.add(chain.train.out_dir)
+                queue.put(chain)
+            what = "other chains first" if later else "waiting for it"
+            print(f"[held] {run.label}: in use by {holder}; {what}", flush=True)
+        if later:
+            return None
+        claim.take(wait=True)
+        return claim
 
     def worker(gpu: str | None, slot: int) -> None:
         env = None if gpu is None else dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
@@ -173,7 +206,13 @@ def run_local(
                     chain = queue.get_nowait()
                 except Empty:
                     return
-                execute_chain(chain, setup, progress, env, stream, where, runner, nproc)
+                claim = take(chain)
+                if claim is None:
+                    continue
+                try:
+                    execute_chain(chain, setup, progress, env, stream, where, runner, nproc)
+                finally:
+                    claim.release()
         finally:
             if runner is not None:
                 runner.close()
@@ -188,6 +227,14 @@ def run_local(
             t.start()
         for t in threads:
             t.join()
+    elsewhere = [
+        r
+        for c in chains
+        for r in c.runs
+        if r.out_dir in todo and r.out_dir not in progress.started_dirs and run_status(r) == "done"
+    ]
+    if elsewhere:
+        print(f"{len(elsewhere)} run(s) finished by another process (a grid beside this one)")
     return progress.failed
 
 
