@@ -192,7 +192,8 @@ def test_plan_groups_consecutive_rows_and_weighs_the_cost():
 def test_mesa_teacher_pass_shares_the_prefix(deep_opts, tmp_path, monkeypatch):
     """The engine encodes MESA's EMA-model pass (no gradients) with the shared prefix and the
     training pass plainly; the teacher logits equal a plain forward at the EMA weights."""
-    opts = ("OPTIM.SAM.NAME", "mesa", "OPTIM.SAM.EMA_DECAY", "0.5")
+    # TRAJ_START -1: the EMA pass from the first (0-based) epoch on
+    opts = ("OPTIM.SAM.NAME", "mesa", "OPTIM.SAM.EMA_DECAY", "0.5", "OPTIM.SAM.TRAJ_START", "-1")
     tr = build("CoOp", deep_opts, tmp_path, N_CLS, *opts)
     size = tr.cfg.INPUT.SIZE[0]
     g = torch.Generator().manual_seed(0)
