@@ -157,7 +157,8 @@ class StepProtocol:
         items ``subset``. A smaller batch, and a pass without gradients (an optimizer's look at
         the outputs), run the compiled encoders eagerly: the compiled graphs are the training
         pass's. A pass without gradients also encodes the class prompts' common prefix once
-        (:func:`engine.clip.text.shared_prefix_text`: the same outputs up to fp32 rounding)."""
+        (:func:`engine.clip.text.shared_prefix_text` on this model's encoders: the same outputs
+        up to fp32 rounding)."""
         self._pass_outputs = None
         if subset is not None:
             inputs = self.select_inputs(inputs, subset, size)
@@ -165,7 +166,7 @@ class StepProtocol:
         other = subset is not None or no_grad
         with (
             eager() if other and self.compiled_modules else nullcontext(),
-            shared_prefix_text() if no_grad else nullcontext(),
+            shared_prefix_text(self.model) if no_grad else nullcontext(),
         ):
             loss, _ = self._loss(inputs)
         return loss, self._pass_outputs

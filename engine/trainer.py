@@ -272,11 +272,10 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
         self.build_model()
         if isinstance(getattr(self, "model", None), nn.Module):
             from .clip.model import check_input_size  # lazily, as every engine use of open_clip
-            from .clip.text import set_text_memory
+            from .clip.text import configure_text_encoders, text_options
 
             check_input_size(cfg, self.model)  # the CLIP image tower's size
-            m = cfg.MODEL
-            set_text_memory(self.model, m.TEXT_CHUNK, m.CHECKPOINT_TEXT, m.SHARED_PREFIX)
+            configure_text_encoders(self.model, text_options(cfg))  # the MODEL.TEXT_* keys
         if cfg.MODEL.COMPILE != AUTO:  # an explicit mode: evaluation-only runs compile too
             self.compile_model()
         self.optim_step = build_step(

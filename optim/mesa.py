@@ -14,7 +14,7 @@ first step of the sharpness-aware stage (the authors' timm ``ModelEmaV2`` copies
 training starts). The EMA model's logits come from one extra forward without gradients on the
 same batch (the weights are swapped for the EMA before the first pass and back), so a step is
 one forward/backward plus one forward; the engine runs that forward, which needs no gradients,
-with each group's common prompt prefix encoded once (``engine.clip.text.shared_prefix_text``:
+with each group's common prompt prefix encoded once (``engine.clip.text.shared_prefix_text(model)``:
 the same logits up to fp32 rounding, for a fraction of the text encoder's cost).
 Hyper-parameters of the authors' README and recipe:
 ``lam = 0.8`` (``--reinforce``), ``tau = 5``, ``d = 0.9998`` (``--model-ema-decay``); the start

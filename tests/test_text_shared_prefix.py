@@ -1,4 +1,4 @@
-"""engine.clip.text.shared_prefix_text: a pass without gradients encodes the class prompts'
+"""engine.clip.text.shared_prefix_text(model): a pass without gradients encodes the class prompts'
 common prefix once (the causal tower's states of shared leading tokens are shared) and gives the
 plain path's features - to float64 rounding in float64, fp32 rounding in fp32 - for every
 trainer's text encoder, with deep prompts and class-aware tokens injected by layer hooks; the
@@ -95,7 +95,7 @@ def test_shared_prefix_gives_the_plain_logits(trainer, dtype, deep_opts, tmp_pat
     with torch.no_grad():
         plain = pass_logits(tr, inputs)
     spy = Spy(monkeypatch)
-    with torch.no_grad(), shared_prefix_text():
+    with torch.no_grad(), shared_prefix_text(tr.model):
         shared = pass_logits(tr, inputs)
     assert spy.calls, "the shared-prefix path was not taken"
     for length, groups, rows in spy.calls:
@@ -115,13 +115,13 @@ def test_gradients_and_outside_the_block_keep_the_plain_path(deep_opts, tmp_path
     spy = Spy(monkeypatch)
     with torch.no_grad():
         plain = pass_logits(tr, inputs)
-    with shared_prefix_text():  # with gradients: the plain path, bit for bit
+    with shared_prefix_text(tr.model):  # with gradients: the plain path, bit for bit
         with_grad = pass_logits(tr, inputs)
     assert spy.calls == []
     assert torch.equal(with_grad.detach(), plain)
-    with torch.no_grad(), shared_prefix_text():
+    with torch.no_grad(), shared_prefix_text(tr.model):
         pass_logits(tr, inputs)
-    assert len(spy.calls) == 1 and not text_mod._SHARED_PREFIX
+    assert len(spy.calls) == 1 and not tr.model.text_encoder._prefix_pass
 
 
 def tower_and_prompts(deep_opts, tmp_path, n_cls=6):  # (3 + 3 rows below)
@@ -139,7 +139,7 @@ def test_rows_equal_up_to_their_eot_and_a_single_row(deep_opts, tmp_path):
     eot2 = torch.cat([eot[:3], eot[:3]])
     with torch.no_grad():
         plain, single = enc(twins, eot2), enc(prompts[:1], eot[:1])
-        with shared_prefix_text():
+        with enc.sharing_prefix():
             plan = enc.prefix_plan(twins + enc.positional_embedding[: twins.shape[1]], eot2)
             assert plan is not None and len(plan.first) == 1
             shared = enc(twins, eot2)
@@ -153,11 +153,11 @@ def test_blocks_it_cannot_reproduce_keep_the_plain_path(deep_opts, tmp_path, mon
     spy = Spy(monkeypatch)
     enc.transformer.resblocks[1].attn.dropout = 0.1  # attention dropout while training
     enc.train()
-    with torch.no_grad(), shared_prefix_text():
+    with torch.no_grad(), enc.sharing_prefix():
         enc(prompts, eot)
     assert spy.calls == []
     enc.eval()  # dropout is off in eval mode: shared again
-    with torch.no_grad(), shared_prefix_text():
+    with torch.no_grad(), enc.sharing_prefix():
         enc(prompts, eot)
     assert len(spy.calls) == 1
 
@@ -192,7 +192,8 @@ def test_plan_groups_consecutive_rows_and_weighs_the_cost():
 def test_mesa_teacher_pass_shares_the_prefix(deep_opts, tmp_path, monkeypatch):
     """The engine encodes MESA's EMA-model pass (no gradients) with the shared prefix and the
     training pass plainly; the teacher logits equal a plain forward at the EMA weights."""
-    opts = ("OPTIM.SAM.NAME", "mesa", "OPTIM.SAM.EMA_DECAY", "0.5")
+    # TRAJ_START -1: the EMA pass from the first (0-based) epoch on
+    opts = ("OPTIM.SAM.NAME", "mesa", "OPTIM.SAM.EMA_DECAY", "0.5", "OPTIM.SAM.TRAJ_START", "-1")
     tr = build("CoOp", deep_opts, tmp_path, N_CLS, *opts)
     size = tr.cfg.INPUT.SIZE[0]
     g = torch.Generator().manual_seed(0)
@@ -230,7 +231,7 @@ def test_shared_prefix_in_half_precision(prec, deep_opts, tmp_path, monkeypatch)
     spy = Spy(monkeypatch)
     with torch.no_grad(), tr.autocast():
         plain = pass_logits(tr, inputs).float()
-        with shared_prefix_text():
+        with shared_prefix_text(tr.model):
             shared = pass_logits(tr, inputs).float()
     assert len(spy.calls) == 1 and torch.isfinite(shared).all()
     assert (shared - plain).abs().max() <= 2e-2 * plain.abs().max()

@@ -16,7 +16,9 @@ tests/test_performance.py checks that every trainer's outputs are identical eith
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import cache
 from typing import NamedTuple
 
 import open_clip
@@ -26,14 +28,10 @@ import torch.utils.checkpoint
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
-_TOKENIZER = None
 
-
+@cache
 def _tokenizer() -> open_clip.SimpleTokenizer:
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        _TOKENIZER = open_clip.SimpleTokenizer()
-    return _TOKENIZER
+    return open_clip.SimpleTokenizer()
 
 
 def token_ids(text: str) -> list[int]:
@@ -81,12 +79,35 @@ def full_length_prompts() -> Iterator[None]:
 
 
 SHARED_PREFIX_MIN = 2  # shortest common prefix worth encoding once (SOS + one more token)
-_SHARED_PREFIX = False  # set inside shared_prefix_text()
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How a :class:`TextEncoder` runs its prompts (see the class doc), from the config keys
+    ``MODEL.TEXT_CHUNK`` (``chunk``), ``MODEL.CHECKPOINT_TEXT`` (``checkpoint``) and
+    ``MODEL.SHARED_PREFIX`` (``shared_prefix``) by :func:`text_options`."""
+
+    chunk: int = 0  # prompts per pass through the tower (0: all at once)
+    checkpoint: bool = False  # activation checkpointing of each chunk (training only)
+    shared_prefix: bool = False  # common prompt prefixes encoded once in every pass
+
+    def __post_init__(self):
+        if self.chunk < 0:
+            raise ValueError(
+                f"MODEL.TEXT_CHUNK must be >= 0 (0: all prompts at once), got {self.chunk}"
+            )
+
+
+def text_options(cfg) -> TextOptions:
+    """The text encoders' options of ``cfg``, read once where the model is built."""
+    m = cfg.MODEL
+    return TextOptions(int(m.TEXT_CHUNK), bool(m.CHECKPOINT_TEXT), bool(m.SHARED_PREFIX))
 
 
 @contextmanager
-def shared_prefix_text() -> Iterator[None]:
-    """Inside this block, a pass without gradients encodes the prompts' common prefix once.
+def shared_prefix_text(model: nn.Module) -> Iterator[None]:
+    """Inside this block, a pass of ``model``'s text encoders without gradients encodes the
+    prompts' common prefix once (:meth:`TextEncoder.sharing_prefix` on each of them).
 
     The text tower is causal: the states of the first ``p`` tokens depend on those tokens only,
     so when every prompt starts with the same ``p`` token embeddings (CoOp's ``[SOS][ctx]``, with
@@ -96,15 +117,15 @@ def shared_prefix_text() -> Iterator[None]:
     the same features in exact arithmetic, and within fp32 rounding (smaller matrix products
     block their sums differently; tests/test_text_shared_prefix.py). It applies to passes
     without gradients only (the engine turns it on for an optimizer's look at the outputs, e.g.
-    MESA's EMA model and ESAM's data selection: engine/trainer.py); training passes and
-    evaluation keep the plain path, whose outputs are unchanged.
+    MESA's EMA model and ESAM's data selection: engine/step_protocol.py); training passes and
+    evaluation keep the plain path, whose outputs are unchanged. Only ``model``'s encoders are
+    affected: other models in the process keep their own state.
     """
-    global _SHARED_PREFIX
-    previous, _SHARED_PREFIX = _SHARED_PREFIX, True
-    try:
+    with ExitStack() as stack:
+        for module in model.modules():
+            if isinstance(module, TextEncoder):
+                stack.enter_context(module.sharing_prefix())
         yield
-    finally:
-        _SHARED_PREFIX = previous
 
 
 def _neighbour_prefixes(x: torch.Tensor) -> torch.Tensor:
@@ -196,16 +217,16 @@ class TextEncoder(nn.Module):
             TCP's class-aware tokens; each chunk's hook call gets the chunk's rows.
     Returns ``[n, embed_dim]`` features (not normalised).
 
-    Memory options (:meth:`set_memory_options`, from ``MODEL.TEXT_CHUNK`` and
-    ``MODEL.CHECKPOINT_TEXT``): the ``n`` prompts run through the tower in chunks of ``chunk``
-    rows, and with ``checkpoint`` each chunk is an activation checkpoint
-    (``torch.utils.checkpoint``, non-reentrant) while gradients are recorded: its block
-    activations are freed after the forward and recomputed, one chunk at a time, in the
-    backward. Chunks alone lower the peak of no-grad encoding only (a recorded graph keeps every
-    chunk's activations until the backward); chunks with checkpointing lower the training peak
-    to about one chunk's activations. Checkpointing alone is bit-identical to the plain pass;
-    chunks agree with it up to fp32 rounding (fewer rows per matrix product change the kernels'
-    blocking), as tests/test_text_memory.py checks.
+    Options (a :class:`TextOptions`, given as ``options`` or by :meth:`configure` where the
+    model is built, from ``MODEL.TEXT_CHUNK`` and ``MODEL.CHECKPOINT_TEXT``): the ``n`` prompts
+    run through the tower in chunks of ``chunk`` rows, and with ``checkpoint`` each chunk is an
+    activation checkpoint (``torch.utils.checkpoint``, non-reentrant) while gradients are
+    recorded: its block activations are freed after the forward and recomputed, one chunk at a
+    time, in the backward. Chunks alone lower the peak of no-grad encoding only (a recorded graph
+    keeps every chunk's activations until the backward); chunks with checkpointing lower the
+    training peak to about one chunk's activations. Checkpointing alone is bit-identical to the
+    plain pass; chunks agree with it up to fp32 rounding (fewer rows per matrix product change
+    the kernels' blocking), as tests/test_text_memory.py checks.
 
     ``shared_prefix`` (``MODEL.SHARED_PREFIX``): every pass, training included, encodes each
     group of prompts' common prefix once (:meth:`encode_shared_prefix`; without the option only
@@ -214,7 +235,7 @@ class TextEncoder(nn.Module):
     class (tests/test_text_shared_prefix.py).
     """
 
-    def __init__(self, clip_model):
+    def __init__(self, clip_model, options: TextOptions | None = None):
         super().__init__()
         self.transformer = clip_model.transformer
         self.positional_embedding = clip_model.positional_embedding
@@ -227,20 +248,37 @@ class TextEncoder(nn.Module):
         if mask is None:
             raise ValueError("The text tower has no causal mask; prompt truncation needs one")
         self.register_buffer("attn_mask", mask, persistent=False)  # [ctx, ctx] additive
-        self.chunk = 0  # prompts per pass through the tower (0: all at once)
-        self.checkpoint = False  # activation checkpointing of each chunk (training only)
-        self.shared_prefix = False  # common prompt prefixes encoded once in every pass
+        self.options = options or TextOptions()
+        self._prefix_pass = False  # inside sharing_prefix(): passes without gradients share
 
-    def set_memory_options(
-        self, chunk: int = 0, checkpoint: bool = False, shared_prefix: bool = False
-    ) -> None:
-        """Encode ``chunk`` prompts at a time (0: all) and, with ``checkpoint``, recompute each
-        chunk's activations in the backward instead of keeping them; with ``shared_prefix``,
-        encode common prompt prefixes once in every pass (see the class doc)."""
-        if chunk < 0:
-            raise ValueError(f"MODEL.TEXT_CHUNK must be >= 0 (0: all prompts at once), got {chunk}")
-        self.chunk, self.checkpoint = int(chunk), bool(checkpoint)
-        self.shared_prefix = bool(shared_prefix)
+    def configure(self, options: TextOptions) -> None:
+        """Use ``options`` (:func:`text_options` of the config, applied where the model is
+        built): this encoder's own state, no other encoder's."""
+        if not isinstance(options, TextOptions):
+            raise TypeError(f"TextEncoder.configure takes a TextOptions, got {type(options)}")
+        self.options = options
+
+    @property
+    def chunk(self) -> int:
+        return self.options.chunk
+
+    @property
+    def checkpoint(self) -> bool:
+        return self.options.checkpoint
+
+    @property
+    def shared_prefix(self) -> bool:
+        return self.options.shared_prefix
+
+    @contextmanager
+    def sharing_prefix(self) -> Iterator[None]:
+        """Inside this block this encoder's passes without gradients encode the prompts' common
+        prefix once (see :func:`shared_prefix_text`)."""
+        previous, self._prefix_pass = self._prefix_pass, True
+        try:
+            yield
+        finally:
+            self._prefix_pass = previous
 
     @property
     def saves_memory(self) -> bool:
@@ -313,7 +351,7 @@ class TextEncoder(nn.Module):
         (without ``shared_prefix``: outside :func:`shared_prefix_text` or with gradients; for
         blocks it cannot reproduce; when no prefix of at least SHARED_PREFIX_MIN tokens saves
         work)."""
-        if not self.shared_prefix and (not _SHARED_PREFIX or torch.is_grad_enabled()):
+        if not self.shared_prefix and (not self._prefix_pass or torch.is_grad_enabled()):
             return None
         if not all(_supports_shared_prefix(b) for b in self.transformer.resblocks):
             return None
@@ -409,15 +447,13 @@ class TextEncoder(nn.Module):
         return self(self.embed_tokens(tokens), eot)
 
 
-def set_text_memory(
-    model: nn.Module, chunk: int, checkpoint: bool, shared_prefix: bool = False
-) -> list[str]:
-    """:meth:`TextEncoder.set_memory_options` on every text encoder of ``model``; returns their
-    names when an option is on (else an empty list)."""
+def configure_text_encoders(model: nn.Module, options: TextOptions) -> list[str]:
+    """:meth:`TextEncoder.configure` on every text encoder of ``model``; returns their names
+    when an option is on (else an empty list)."""
     names = []
     for name, module in model.named_modules():
         if isinstance(module, TextEncoder):
-            module.set_memory_options(chunk, checkpoint, shared_prefix)
+            module.configure(options)
             if module.saves_memory:
                 names.append(name or type(module).__name__)
     return names
