@@ -397,7 +397,7 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             self.epoch = self.start_epoch - 1  # logs at that epoch, as without the interruption
         # rows of a killed run after its last checkpoint (or of one killed before its first)
         # are written again from here: drop them, so each step is in the logs once
-        start_iter = self.start_epoch * len(self.train_loader_x)
+        start_iter = self.start_epoch * len(self.train_loader_x) if self.start_epoch else 0
         keep = partial(_scalar_row_before, start_iter=start_iter, start_epoch=self.start_epoch)
         self.writer.open(self.output_dir, osp.join(self.output_dir, "tensorboard"), keep=keep)
         self.time_start = time.time()
