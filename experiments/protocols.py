@@ -72,7 +72,8 @@ def trainer_cfgs(trainer: str, plugins: tuple[str, ...] = ()) -> dict[str, str]:
     from engine.plugins import load_plugins
     from engine.registry import TRAINER_REGISTRY
 
-    load_plugins(plugins)
+    if trainer not in TRAINER_REGISTRY:  # a plugin's trainer: its files are loaded only then
+        load_plugins(plugins)
     if trainer not in TRAINER_REGISTRY:
         return {}
     return dict(vars(TRAINER_REGISTRY.get(trainer)).get("PROTOCOL_CFGS") or {})
