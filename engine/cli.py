@@ -266,12 +266,15 @@ def _follow(args, cfg) -> int:
         return 2
     if cfg.SEED >= 0:
         set_random_seed(cfg.SEED)
-    trainer = build_trainer(cfg)
+    return _train_or_test(build_trainer(cfg), args)
+
+
+def _train_or_test(trainer, args) -> int:
+    """The run's work once its trainer is built: evaluate (--eval-only) or train."""
     if args.eval_only:
         trainer.load_model(args.model_dir, epoch=args.load_epoch)
         trainer.test()
-        return 0
-    if not args.no_train:
+    elif not args.no_train:
         trainer.train()
     return 0
 
@@ -371,13 +374,7 @@ def _run_in_folder(args, cfg, folder, notes=()) -> int:
     trainer = build_trainer(cfg)
     if not in_place:
         folder.record_experiment(experiment)  # a config that builds: this folder's experiment
-    if args.eval_only:
-        trainer.load_model(args.model_dir, epoch=args.load_epoch)
-        trainer.test()
-        return 0
-    if not args.no_train:
-        trainer.train()
-    return 0
+    return _train_or_test(trainer, args)
 
 
 def _log_to_files(error: BaseException) -> None:

@@ -19,30 +19,12 @@ import zipfile
 from dataclasses import dataclass, field
 
 from conftest import make_cfg
-from dataset_trees import BUILDERS, Expected, write_text
+from dataset_trees import BUILDERS, CONFIGS, Expected, write_text
 
 from datasets.common import Download
 from engine.data import build_dataset
 from experiments.layouts import find_layout
 from tools import download_data
-
-CONFIGS = {
-    "ImageNet": "imagenet",
-    "Caltech101": "caltech101",
-    "OxfordPets": "oxford_pets",
-    "StanfordCars": "stanford_cars",
-    "OxfordFlowers": "oxford_flowers",
-    "Food101": "food101",
-    "FGVCAircraft": "fgvc_aircraft",
-    "SUN397": "sun397",
-    "DescribableTextures": "dtd",
-    "EuroSAT": "eurosat",
-    "UCF101": "ucf101",
-    "ImageNetV2": "imagenetv2",
-    "ImageNetSketch": "imagenet_sketch",
-    "ImageNetA": "imagenet_a",
-    "ImageNetR": "imagenet_r",
-}
 
 
 def build(name: str, root: str):

@@ -22,6 +22,25 @@ from scipy.io import savemat
 
 from datasets import synthetic
 
+# each reader's dataset config (configs/datasets/<stem>.yaml)
+CONFIGS = {
+    "ImageNet": "imagenet",
+    "Caltech101": "caltech101",
+    "OxfordPets": "oxford_pets",
+    "StanfordCars": "stanford_cars",
+    "OxfordFlowers": "oxford_flowers",
+    "Food101": "food101",
+    "FGVCAircraft": "fgvc_aircraft",
+    "SUN397": "sun397",
+    "DescribableTextures": "dtd",
+    "EuroSAT": "eurosat",
+    "UCF101": "ucf101",
+    "ImageNetV2": "imagenetv2",
+    "ImageNetSketch": "imagenet_sketch",
+    "ImageNetA": "imagenet_a",
+    "ImageNetR": "imagenet_r",
+}
+
 
 @dataclass
 class Expected:

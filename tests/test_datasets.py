@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 from conftest import ROOT, make_cfg
-from dataset_trees import BUILDERS, WNIDS, coop_pickle, write_classnames, write_images
+from dataset_trees import BUILDERS, CONFIGS, WNIDS, coop_pickle, write_classnames, write_images
 
 from datasets import PAPER_DATASETS
 from datasets.imagenet import ImageNet
@@ -25,23 +25,6 @@ from engine.data import DataManager, DatasetNotFoundError, build_dataset
 from engine.registry import DATASET_REGISTRY
 from tools import check_data, download_data
 
-CONFIGS = {
-    "ImageNet": "imagenet",
-    "Caltech101": "caltech101",
-    "OxfordPets": "oxford_pets",
-    "StanfordCars": "stanford_cars",
-    "OxfordFlowers": "oxford_flowers",
-    "Food101": "food101",
-    "FGVCAircraft": "fgvc_aircraft",
-    "SUN397": "sun397",
-    "DescribableTextures": "dtd",
-    "EuroSAT": "eurosat",
-    "UCF101": "ucf101",
-    "ImageNetV2": "imagenetv2",
-    "ImageNetSketch": "imagenet_sketch",
-    "ImageNetA": "imagenet_a",
-    "ImageNetR": "imagenet_r",
-}
 EVAL_ONLY = ("ImageNetV2", "ImageNetSketch", "ImageNetA", "ImageNetR")
 TRAINABLE = tuple(n for n in PAPER_DATASETS if n not in EVAL_ONLY)
 

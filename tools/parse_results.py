@@ -1,16 +1,7 @@
 """Read accuracies from run folders and average them over seeds (CoOp's parse_test_res.py).
 
-A run folder holds ``log.txt`` and, after each resume, ``log.txt-YYYY-mm-dd-HH-MM-SS`` files
-(Dassl's naming, so name order is time order). The result of a log is the last
-``* accuracy: X%`` line after the first ``Finish training`` line (training runs; CoOp-era logs
-say ``Finished training``) or after the first ``=> result`` line (``--eval-only`` runs, which log
-``eval_only: True``). The result of a run is that of its NEWEST log that has one: a resumed
-training run ends with a log that holds the final test, and a later attempt that crashed
-does not hide a finished result.
-
-Seed averages are means with the population standard deviation (numpy's default, as in CoOp);
-seeds without a folder are reported as missing and seeds whose folder has no result as failed,
-never silently dropped.
+The rules (which log and which line is a run's result, seeds missing or failed, the
+population standard deviation) are those of ``experiments/results.py``.
 
 Examples::
 
