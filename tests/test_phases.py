@@ -5,7 +5,6 @@ imported at start-up."""
 from __future__ import annotations
 
 import json
-import os
 import os.path as osp
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 import pytest
 from conftest import ROOT
 from helpers import coop_args
+from test_startup import run_python
 
 from engine import phases
 
@@ -115,14 +115,5 @@ def test_starting_a_run_imports_no_heavy_module(tmp_path, tiny_clip_opts):
         f"validate_cfg(setup_cfg(build_parser().parse_args({argv!r})))\n"
         f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
     )
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=str(tmp_path),
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    out = run_python(code, tmp_path)  # tests/test_startup.py's subprocess
+    assert out.strip().splitlines()[-1] == "[]"
