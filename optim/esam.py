@@ -64,6 +64,8 @@ from .sharpness import (
     OUTPUTS,
     REPASS,
     RHO,
+    SCHEDULE,
+    VARIANT,
     SharpnessAwareOptimizer,
     global_norm,
     per_group,
@@ -133,8 +135,8 @@ class ESAM(SharpnessAwareOptimizer):
         beta: float = BETA.default,
         gamma: float = GAMMA.default,
         select_pass: str = SELECT_PASS.default,
-        variant: str = "paper",
-        schedule: str = "constant",
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
         **base_kwargs,
     ):
         for hparam, value in ((SELECT_PASS, select_pass), (BETA, beta), (GAMMA, gamma)):

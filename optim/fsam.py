@@ -24,8 +24,9 @@ Paper vs reference (the released code, nblt/F-SAM), documented differences:
 
 ``lam`` and ``sigma`` are global in the reference; here they may also be set per param group
 (the moving average is per tensor anyway; the norm of ``d`` stays global), like ``rho``.
-Defaults are the released class's (rho 0.05, sigma 1, lam 0.9); the SAMPLe paper ran F-SAM
-with rho 0.05, lam 0.15, sigma 1 (its Table of hyper-parameters; OPTIM.SAM.LAMBDA = 0.15).
+The constructor's defaults are the config's (the ``HParam`` declarations: rho 0.05, lam 0.15,
+sigma 1), the values the SAMPLe paper ran F-SAM with (its Table of hyper-parameters); the
+released class defaults to lam 0.9.
 
 Diagnostics (``last_stats``) besides the common ones: ``ema_norm`` (``||m_t||``), ``xi``
 (``cos(g, m)`` of the average subtracted in ``d``), ``gb_norm`` (``||d||``), ``cos_gp_m``
@@ -39,6 +40,9 @@ import torch
 from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
 from .sharpness import (
     EPS,
+    RHO,
+    SCHEDULE,
+    VARIANT,
     SharpnessAwareOptimizer,
     cosine,
     ema_update,
@@ -90,11 +94,11 @@ class FSAM(SharpnessAwareOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        rho: float = 0.05,
-        lam: float = 0.9,
-        sigma: float = 1.0,
-        variant: str = "paper",
-        schedule: str = "constant",
+        rho: float = RHO.default,
+        lam: float = LAMBDA.default,
+        sigma: float = SIGMA.default,
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
         **base_kwargs,
     ):
         defaults = dict(rho=rho, lam=lam, sigma=sigma)

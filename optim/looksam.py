@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
-from .sam import SAM
+from .sam import ADAPTIVE, SAM
+from .sharpness import RHO, SCHEDULE, VARIANT
 
 EVERY = declare_hparam(
     HParam(
@@ -75,12 +76,12 @@ class LookSAM(SAM):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        rho: float = 0.05,
-        every: int = 0,
-        look_alpha: float = 0.7,
-        adaptive: bool = False,
-        variant: str = "paper",
-        schedule: str = "constant",
+        rho: float = RHO.default,
+        every: int = EVERY.default,
+        look_alpha: float = LOOK_ALPHA.default,
+        adaptive: bool = ADAPTIVE.default,
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
         **base_kwargs,
     ):
         super().__init__(params, base_optimizer, rho, adaptive, variant, schedule, **base_kwargs)

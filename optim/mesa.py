@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .build import HParam, declare_hparam, register_optimizer
-from .saf import TEMPERATURE, TrajectoryOptimizer
+from .saf import TEMPERATURE, TRAJ_START, TRAJ_WEIGHT, TrajectoryOptimizer
 from .sharpness import BEGIN_STEP, OUTPUTS, REPASS, acc_dtype, copies
 from .step import require_batch
 
@@ -64,9 +64,9 @@ class MESA(TrajectoryOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        weight: float = -1.0,
+        weight: float = TRAJ_WEIGHT.default,
         temperature: float = TEMPERATURE.default,
-        start_epoch: int = 0,
+        start_epoch: int = TRAJ_START.default,
         ema_decay: float = EMA_DECAY.default,
         **base_kwargs,
     ):

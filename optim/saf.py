@@ -98,9 +98,9 @@ class TrajectoryOptimizer(SharpnessAwareOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        weight: float = -1.0,
+        weight: float = TRAJ_WEIGHT.default,
         temperature: float = TEMPERATURE.default,
-        start_epoch: int = 0,
+        start_epoch: int = TRAJ_START.default,
         **base_kwargs,
     ):
         weight = self.DEFAULT_WEIGHT if weight < 0 else weight
@@ -168,9 +168,9 @@ class SAF(TrajectoryOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        weight: float = -1.0,
+        weight: float = TRAJ_WEIGHT.default,
         temperature: float = TEMPERATURE.default,
-        start_epoch: int = 0,
+        start_epoch: int = TRAJ_START.default,
         epochs_back: int = EPOCHS_BACK.default,
         **base_kwargs,
     ):

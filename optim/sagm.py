@@ -29,7 +29,9 @@ the SAGM rows at twice the effective learning rate of the SGD/SAM/F-SAM rows at 
   here rho is constant, or rho / sqrt(t) with ``schedule="inv_sqrt"`` (alpha likewise).
 
 The perturbation is the same in both variants. ``rho`` and ``alpha`` may be set per param
-group (the norm stays global). Default alpha 0.001 (the reference's and the SAMPLe paper's).
+group (the norm stays global). The constructor's default alpha is ``OPTIM.SAM.ALPHA``'s (0.0015,
+the key SAMPLe shares); the reference's and the SAMPLe paper's SAGM value, 0.001, is set by every
+``configs/optim/**/sagm.yaml``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ from __future__ import annotations
 import torch
 
 from .build import NONNEG, HParam, declare_hparam, nonneg, register_optimizer
-from .sharpness import SharpnessAwareOptimizer, sagm_perturbation
+from .sharpness import (
+    RHO,
+    SCHEDULE,
+    UPDATE_KEY,
+    VARIANT,
+    SharpnessAwareOptimizer,
+    sagm_perturbation,
+)
 
 ALPHA = declare_hparam(
     HParam(
@@ -71,11 +80,11 @@ class SAGM(SharpnessAwareOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        rho: float = 0.05,
-        alpha: float = 0.001,
-        variant: str = "paper",
-        schedule: str = "constant",
-        update: str = "",
+        rho: float = RHO.default,
+        alpha: float = ALPHA.default,
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
+        update: str = UPDATE_KEY.default,
         **base_kwargs,
     ):
         defaults = dict(rho=rho, alpha=alpha)

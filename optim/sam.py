@@ -28,7 +28,17 @@ from __future__ import annotations
 import torch
 
 from .build import HParam, declare_hparam, register_optimizer
-from .sharpness import EPS, SharpnessAwareOptimizer, acc_dtype, global_norm, per_group, scaled
+from .sharpness import (
+    EPS,
+    RHO,
+    SCHEDULE,
+    VARIANT,
+    SharpnessAwareOptimizer,
+    acc_dtype,
+    global_norm,
+    per_group,
+    scaled,
+)
 
 ADAPTIVE = declare_hparam(
     HParam("ADAPTIVE", "adaptive", False, "SAM only: ASAM's scale-invariant perturbation")
@@ -52,10 +62,10 @@ class SAM(SharpnessAwareOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        rho: float = 0.05,
-        adaptive: bool = False,
-        variant: str = "paper",
-        schedule: str = "constant",
+        rho: float = RHO.default,
+        adaptive: bool = ADAPTIVE.default,
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
         **base_kwargs,
     ):
         defaults = dict(rho=rho, adaptive=adaptive)

@@ -96,8 +96,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .build import register_optimizer
+from .fsam import LAMBDA
+from .looksam import EVERY, LOOK_ALPHA
+from .sagm import ALPHA
 from .sharpness import (
+    RHO,
+    SCHEDULE,
     TINY,
+    UPDATE_KEY,
+    VARIANT,
     SharpnessAwareOptimizer,
     cosine,
     ema_update,
@@ -151,15 +158,15 @@ class SAMPLe(SharpnessAwareOptimizer):
         self,
         params,
         base_optimizer=torch.optim.SGD,
-        rho: float = 0.05,
-        alpha: float = 0.0015,
-        lam: float = 0.15,
-        variant: str = "paper",
-        schedule: str = "constant",
-        update: str = "",
+        rho: float = RHO.default,
+        alpha: float = ALPHA.default,
+        lam: float = LAMBDA.default,
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
+        update: str = UPDATE_KEY.default,
         exploration: bool = True,
-        every: int = 0,
-        look_alpha: float = 0.7,
+        every: int = EVERY.default,
+        look_alpha: float = LOOK_ALPHA.default,
         **base_kwargs,
     ):
         self.exploration = exploration

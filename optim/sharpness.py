@@ -129,7 +129,8 @@ VARIANT = declare_hparam(
         choices=VARIANTS,
     )
 )
-UPDATE = declare_hparam(
+# (not named UPDATE: the optimizer classes' UPDATE maps each variant to its update rule)
+UPDATE_KEY = declare_hparam(
     HParam(
         "UPDATE",
         "update",
@@ -318,9 +319,9 @@ class SharpnessAwareOptimizer(torch.optim.Optimizer):
         params,
         base_optimizer: Callable[..., torch.optim.Optimizer],
         defaults: dict[str, Any],
-        variant: str = "paper",
-        schedule: str = "constant",
-        update: str = "",
+        variant: str = VARIANT.default,
+        schedule: str = SCHEDULE.default,
+        update: str = UPDATE_KEY.default,
         **base_kwargs,
     ):
         name = type(self).__name__

@@ -33,6 +33,23 @@ def test_registry_metadata():
         assert not OPTIMIZER_REGISTRY.get(name).needs_closure
 
 
+def test_constructor_defaults_are_the_hparams_defaults():
+    """One fact per default: every registered sharpness-aware constructor's keyword default is
+    its HParam's (the config's), so building the class directly trains what the config does."""
+    import inspect
+
+    differ = []
+    for name in SHARPNESS:
+        spec = OPTIMIZER_REGISTRY.get(name)
+        params = inspect.signature(spec.cls.__init__).parameters
+        for h in spec.hparams:
+            assert h.kwarg in params, f"{name}: {spec.cls.__name__} takes no {h.kwarg!r}"
+            default = params[h.kwarg].default
+            if default != h.default or type(default) is not type(h.default):
+                differ.append(f"{name}.{h.kwarg}: {default!r} != OPTIM.SAM.{h.key} {h.default!r}")
+    assert not differ, differ
+
+
 def test_wrong_optimizer_slot_is_explained():
     cfg = make_cfg(["OPTIM.NAME", "sample"])
     with pytest.raises(ValueError, match="set OPTIM.SAM.NAME sample"):
