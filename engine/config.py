@@ -154,6 +154,10 @@ _C.MODEL.CHECKPOINT_TEXT = False  # recompute each text chunk's activations in t
 # only an optimizer's no-gradient look at the outputs (MESA, ESAM) shares the prefix. Runs the
 # text encoder eagerly, as the options above
 _C.MODEL.SHARED_PREFIX = False
+# TEXT_FULL_LENGTH: class prompts and frozen texts keep all 77 tokens instead of being cut after
+# the longest EOT: the same features and steps, bit for bit, at the reference code bases' cost
+# (tools/benchmark.py's reference rows; read where the model is built, engine/clip/text.py)
+_C.MODEL.TEXT_FULL_LENGTH = False
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

@@ -9,7 +9,7 @@ precision;
 50 base classes), for SGD (the trainer's base optimizer), SAM, SAGM and SAMPLe with the paper's
 values (``configs/optim/<trainer>/``; staged configs are measured in their sharpness-aware stage).
 Every measurement is repeated in the same process for the *reference style* of the original code
-bases: prompts at the full 77 tokens (:func:`engine.clip.text.full_length_prompts`), the frozen
+bases: prompts at the full 77 tokens (``MODEL.TEXT_FULL_LENGTH True``), the frozen
 work of ``prepare_step`` (image encoder, teachers) run again in every pass, and the class text
 features re-encoded for every evaluation batch.
 
@@ -62,7 +62,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.clip.text import full_length_prompts
 from engine.compile import CHECKED_CALLS, compiled_forwards, resolve_compile
 from experiments import ROOT
 
@@ -336,10 +335,9 @@ def build(cfg, classnames: list[str], reference: bool = False):
     cls = on_synthetic_classes(TRAINER_REGISTRY.get(cfg.TRAINER.NAME), classnames)
     if reference:
         cls = reference_style(cls)
-        cfg = eager_cfg(cfg)
-    with full_length_prompts() if reference else contextlib.nullcontext():
-        tr = cls(cfg)
-        tr.before_train()  # the engine's hook (e.g. CoPrompt's description features)
+        cfg = eager_cfg(cfg, "MODEL.TEXT_FULL_LENGTH", "True")  # 77-token prompts
+    tr = cls(cfg)
+    tr.before_train()  # the engine's hook (e.g. CoPrompt's description features)
     tr.batch_idx = 0
     tr.epoch = tr.optim_step.staging.start_epoch  # the sharpness-aware stage (staged: stage 2)
     tr.before_epoch()  # seeds and the staged freeze
@@ -347,13 +345,15 @@ def build(cfg, classnames: list[str], reference: bool = False):
     return tr
 
 
-def eager_cfg(cfg):
-    """``cfg`` with MODEL.COMPILE off: the reference style, and the micro-benchmarks of one part
-    (text truncation, evaluation, CoCoOp batching), where compiling only the project's side of
-    a comparison would measure the compiler instead of the part."""
+def eager_cfg(cfg, *opts: str):
+    """``cfg`` with MODEL.COMPILE off (and the ``KEY VALUE`` options ``opts``): the reference
+    style, and the micro-benchmarks of one part (text truncation, evaluation, CoCoOp batching),
+    where compiling only the project's side of a comparison would measure the compiler instead
+    of the part."""
     cfg = cfg.clone()
     cfg.defrost()
     cfg.MODEL.COMPILE = "off"
+    cfg.merge_from_list(list(opts))
     cfg.freeze()
     return cfg
 

@@ -17,7 +17,6 @@ from helpers import train_interrupted
 
 from engine import build_trainer
 from engine.clip import TextEncoder, load_clip, tokenize
-from engine.clip.text import full_length_prompts
 from engine.clip.toy import TINY_OPTS, write_tiny_clip
 from engine.registry import TRAINER_REGISTRY
 from tools.benchmark import reference_style
@@ -378,8 +377,9 @@ def test_steps_equal_the_reference_style(trainer, tmp_path, dtd_root_shared, dee
     bases (77-token prompts, frozen work in both passes of SAMPLe), bit for bit."""
     cfg = config(trainer, tmp_path, dtd_root_shared, deep_opts, optim="sample")
     ours = _start(build_trainer(cfg))
-    with full_length_prompts():
-        ref = _start(reference_style(TRAINER_REGISTRY.get(trainer))(cfg))
+    full_length = ("MODEL.TEXT_FULL_LENGTH", "True")  # the reference code bases' 77 tokens
+    full = config(trainer, tmp_path, dtd_root_shared, deep_opts, *full_length, optim="sample")
+    ref = _start(reference_style(TRAINER_REGISTRY.get(trainer))(full))
     assert (
         ref.model.prompt_learner.token_suffix.shape[1]
         > ours.model.prompt_learner.token_suffix.shape[1]

@@ -26,7 +26,7 @@ from conftest import make_cfg
 from torch.overrides import TorchFunctionMode
 
 from engine import build_trainer
-from engine.clip.text import full_length_prompts, truncate_tokens
+from engine.clip.text import truncate_tokens
 from engine.clip.toy import TINY_CLIP_CONFIG, TINY_OPTS, write_tiny_clip
 from engine.data import DataManager
 from engine.feature_cache import FeatureCache, cache_key
@@ -34,6 +34,7 @@ from engine.registry import TRAINER_REGISTRY
 from tools.benchmark import make_jpeg_dataset, reference_style, trainer_config_file
 
 TRAINERS = ["CoOp", "CoCoOp", "TCP", "MaPLe", "CoPrompt"]
+FULL_LENGTH = ("MODEL.TEXT_FULL_LENGTH", "True")  # the reference code bases' 77-token prompts
 # 9 blocks per tower: MaPLe/CoPrompt prompt 9 blocks, TCP injects before text block 8
 DEEP_CLIP = copy.deepcopy(TINY_CLIP_CONFIG)
 DEEP_CLIP["vision_cfg"]["layers"] = DEEP_CLIP["text_cfg"]["layers"] = 9
@@ -101,8 +102,8 @@ def test_truncated_prompts_give_identical_steps_and_logits(trainer, tmp_path, dt
     _registered(trainer)
     cfg = _cfg(trainer, dtd_root, tmp_path / "o", deep_opts, "sample")
     short = _start(build_trainer(cfg))
-    with full_length_prompts():
-        full = _start(build_trainer(cfg))
+    cfg_full = _cfg(trainer, dtd_root, tmp_path / "o", deep_opts, "sample", *FULL_LENGTH)
+    full = _start(build_trainer(cfg_full))
     pl_short, pl_full = short.model.prompt_learner, full.model.prompt_learner
     assert pl_short.token_prefix.shape[1] + pl_short.token_suffix.shape[1] + pl_short.n_ctx < 77
     assert pl_full.token_prefix.shape[1] + pl_full.token_suffix.shape[1] + pl_full.n_ctx == 77
@@ -193,14 +194,13 @@ def test_training_step_has_no_host_device_sync(trainer, optim, tmp_path, dtd_roo
     assert rec.sites <= ALLOWED_SYNC_SITES
 
 
-def test_full_length_prompts_is_scoped():
+def test_full_length_is_an_argument_of_the_cut():
     tokens = torch.zeros(2, 77, dtype=torch.long)
     tokens[:, 5] = 49407  # EOT
     assert truncate_tokens(tokens)[0].shape[1] == 16
-    with pytest.raises(RuntimeError), full_length_prompts():
-        assert truncate_tokens(tokens)[0].shape[1] == 77
-        raise RuntimeError
-    assert truncate_tokens(tokens)[0].shape[1] == 16
+    cut, eot = truncate_tokens(tokens, full_length=True)
+    assert torch.equal(cut, tokens) and eot.tolist() == [5, 5]
+    assert truncate_tokens(tokens)[0].shape[1] == 16  # nothing is left switched on
 
 
 # ----------------------------------------------------------------------------------------------

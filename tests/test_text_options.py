@@ -1,7 +1,7 @@
 """The text encoder is configured one way: its options (MODEL.TEXT_CHUNK, MODEL.CHECKPOINT_TEXT,
-MODEL.SHARED_PREFIX) are read from the config where the model is built and kept on each encoder,
-and the shared-prefix pass is switched on one model's encoders, never process-wide: two models
-in one process do not affect each other."""
+MODEL.SHARED_PREFIX, MODEL.TEXT_FULL_LENGTH) are read from the config where the model is built and
+kept on each model, and the shared-prefix pass is switched on one model's encoders, never
+process-wide: two models in one process do not affect each other."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from helpers import DEPTH, DTD_CLASSES, tiny_options
 
 import engine.clip.text as text_mod
 from engine import build_trainer
+from engine.clip import tokenize
 from engine.clip.text import TextEncoder, TextOptions, shared_prefix_text, text_options
 
 N_CLS = 5
@@ -85,14 +86,38 @@ def test_options_are_checked_and_configure_takes_options_only(deep_opts, tmp_pat
     assert (enc.chunk, enc.checkpoint, enc.shared_prefix) == (3, False, False)
 
 
+def test_full_length_prompts_are_one_models_option_read_at_build(deep_opts, tmp_path):
+    """MODEL.TEXT_FULL_LENGTH keeps one model's prompts and frozen texts at 77 tokens; a model
+    built after it in the same process cuts its own (and the other way round)."""
+    short_a = build(deep_opts, tmp_path / "a")
+    full = build(deep_opts, tmp_path / "b", "MODEL.TEXT_FULL_LENGTH", "True")
+    short_b = build(deep_opts, tmp_path / "c")
+    assert text_options(full.cfg) == TextOptions(full_length=True)
+    lengths = {}
+    for name, tr in (("short_a", short_a), ("full", full), ("short_b", short_b)):
+        pl, enc = tr.model.prompt_learner, tr.model.text_encoder
+        assert enc.options == text_options(tr.cfg)
+        seen = []  # the token count of the frozen texts' pass (encode_tokens)
+        hook = enc.register_forward_pre_hook(
+            lambda m, args, seen=seen: seen.append(args[0].shape[1])
+        )
+        with torch.no_grad():
+            enc.encode_tokens(tokenize(["a photo of a dog."]))
+        hook.remove()
+        lengths[name] = (pl.token_prefix.shape[1] + pl.n_ctx + pl.token_suffix.shape[1], *seen)
+    # CoOp: SOS, 16 context tokens, the class name, "." and EOT, cut at 32 (frozen texts: 16)
+    assert lengths == {"short_a": (32, 16), "full": (77, 77), "short_b": (32, 16)}
+    assert not any(isinstance(v, bool) and k.startswith("_") for k, v in vars(text_mod).items())
+
+
 def test_no_process_wide_text_switch_is_left():
-    """engine/clip/text.py sets no module-level state at run time: no ``global`` statement
-    except the full-length prompt mode (``full_length_prompts``, a build-time mode for
-    benchmarks and equivalence tests, not yet a per-model option), and no module-level
+    """engine/clip/text.py sets no module-level state at run time: no ``global`` statement (the
+    full-length prompts are MODEL.TEXT_FULL_LENGTH, read at build) and no module-level
     shared-prefix switch."""
     tree = ast.parse(inspect.getsource(text_mod))
     names = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
-    assert names == {"_FULL_LENGTH"}
+    assert names == set()
+    assert not hasattr(text_mod, "_FULL_LENGTH") and not hasattr(text_mod, "full_length_prompts")
     assert not hasattr(text_mod, "_SHARED_PREFIX")
     assert not hasattr(text_mod, "set_text_memory")
     assert "self._prefix_pass" in inspect.getsource(TextEncoder.prefix_plan)

@@ -40,12 +40,18 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 def register_class_prompts(
-    module: nn.Module, token_embedding: nn.Embedding, prompts: list[str], n_ctx: int
+    module: nn.Module,
+    token_embedding: nn.Embedding,
+    prompts: list[str],
+    n_ctx: int,
+    full_length: bool = False,
 ) -> torch.Tensor:
     """Register the frozen token embeddings of ``prompts`` around ``n_ctx`` context tokens.
 
     Each prompt must start with ``n_ctx`` placeholder words ("X X X X ...") that the learnable
-    context replaces. The prompts are cut to the longest EOT (exact, see engine.clip.text).
+    context replaces. The prompts are cut to the longest EOT (exact, see engine.clip.text), or
+    keep all 77 tokens with ``full_length`` (``keeps_full_length(clip_model)``: the model's
+    ``MODEL.TEXT_FULL_LENGTH``).
     Registers the NON-persistent buffers ``token_prefix`` ``[n_cls, 1, width]`` (SOS),
     ``token_suffix`` ``[n_cls, L - 1 - n_ctx, width]`` and ``eot_idx`` ``[n_cls]``, so
     checkpoints never hold them and a model built for other classes rebuilds them.
@@ -53,7 +59,7 @@ def register_class_prompts(
     Returns:
         The truncated token ids ``[n_cls, L]``.
     """
-    tokens, eot = truncate_tokens(tokenize(prompts))  # [n_cls, L], L = longest EOT + 1 (rounded)
+    tokens, eot = truncate_tokens(tokenize(prompts), full_length)  # [n_cls, L], L: longest EOT
     device = token_embedding.weight.device
     with torch.no_grad():
         emb = token_embedding(tokens.to(device))  # [n_cls, L, width]

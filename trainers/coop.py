@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.clip import TextEncoder, load_clip, token_ids, tokenize
+from engine.clip import TextEncoder, keeps_full_length, load_clip, token_ids, tokenize
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 
@@ -102,7 +102,8 @@ class PromptLearner(nn.Module):
         names = [name.replace("_", " ") for name in classnames]
         self.name_lens = [len(token_ids(name)) for name in names]
         prompts = [f"{prompt_prefix} {name}." for name in names]
-        tokens = register_class_prompts(self, embedding, prompts, n_ctx)  # [n_cls, L]
+        full = keeps_full_length(clip_model)
+        tokens = register_class_prompts(self, embedding, prompts, n_ctx, full)  # [n_cls, L]
         self.register_buffer(
             "order",
             self._token_order(n_ctx, class_token_position, tokens.shape[1]),

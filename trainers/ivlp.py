@@ -40,7 +40,7 @@ import logging
 import torch
 from torch import nn
 
-from engine.clip import require_vit
+from engine.clip import keeps_full_length, require_vit
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 
@@ -131,7 +131,7 @@ class IndependentPromptLearner(nn.Module):
 
         names = [name.replace("_", " ") for name in classnames]
         prompts = [f"{prompt_prefix} {n}." for n in names]
-        register_class_prompts(self, embedding, prompts, n_ctx_text)
+        register_class_prompts(self, embedding, prompts, n_ctx_text, keeps_full_length(clip_model))
         self.n_cls, self.n_ctx_text, self.n_ctx_vision = len(names), n_ctx_text, n_ctx_vision
         self.depth_text, self.depth_vision = depth_text, depth_vision
         self.n_ctx = n_ctx_text  # the text context length, the name CoOp-family code reads

@@ -47,17 +47,22 @@ from torch import nn
 from engine.clip import (
     PromptedVisionEncoder,
     TextEncoder,
+    keeps_full_length,
     load_clip,
     require_vit,
-    tokenize,
-    truncate_tokens,
 )
 from engine.clip.model import BackboneRefused, backbone_label, vision_tower_kind
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy
 
-from .common import clip_logits, init_context, l2_normalize, setup_learnable
+from .common import (
+    clip_logits,
+    init_context,
+    l2_normalize,
+    register_class_prompts,
+    setup_learnable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +143,7 @@ class MultiModalPromptLearner(nn.Module):
 
         names = [name.replace("_", " ") for name in classnames]
         prompts = [f"{prompt_prefix} {name}." for name in names]
-        tokens, eot = truncate_tokens(tokenize(prompts))  # [n_cls, L], L >= longest EOT + 1
-        with torch.no_grad():
-            emb = embedding(tokens.to(device))  # [n_cls, L, ctx_dim]
-        self.register_buffer("token_prefix", emb[:, :1, :], persistent=False)  # SOS
-        self.register_buffer("token_suffix", emb[:, 1 + n_ctx :, :], persistent=False)
-        self.register_buffer("eot_idx", eot.to(device), persistent=False)
+        register_class_prompts(self, embedding, prompts, n_ctx, keeps_full_length(clip_model))
         self.n_cls, self.n_ctx, self.depth = len(names), n_ctx, depth
         self.prompt_prefix = prompt_prefix
 

@@ -38,7 +38,7 @@ import torch
 from open_clip.transformer import QuickGELU
 from torch import nn
 
-from engine.clip import TextEncoder, encode_texts, load_clip
+from engine.clip import TextEncoder, encode_texts, keeps_full_length, load_clip
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 
@@ -207,7 +207,8 @@ class TCPPromptLearner(nn.Module):
         ).to(self.ctx.device)
 
         self.prompts_text = [learnable_prompt(template, n_ctx).format(n) for n in names]
-        register_class_prompts(self, embedding, self.prompts_text, n_ctx)
+        full = keeps_full_length(clip_model)
+        register_class_prompts(self, embedding, self.prompts_text, n_ctx, full)
         self.n_cls, self.n_ctx = len(names), n_ctx
 
     def class_tokens(self) -> torch.Tensor:

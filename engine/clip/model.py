@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 _OPTIONAL_TOWER_LIBRARIES = ("transformers", "timm")
 
 
+# the attribute of a CLIP built by load_clip that holds its config's MODEL.TEXT_FULL_LENGTH (read
+# by engine.clip.text.keeps_full_length where prompts are built)
+FULL_LENGTH_ATTR = "text_full_length"
+
+
 def _import_open_clip():
     """``import open_clip`` without importing transformers or timm (unless already imported)."""
     if "open_clip" in sys.modules:
@@ -467,7 +472,9 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
         device: where to put the model.
 
     Returns:
-        An open_clip ``CLIP`` in eval mode with ``requires_grad=False`` everywhere.
+        An open_clip ``CLIP`` in eval mode with ``requires_grad=False`` everywhere, carrying
+        ``MODEL.TEXT_FULL_LENGTH`` for the prompts built from it
+        (:func:`engine.clip.text.keeps_full_length`).
     """
     with phases.phase("clip weights"):  # the start-up phases of the run (engine.phases)
         bb = cfg.MODEL.BACKBONE
@@ -491,6 +498,7 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
         model.to(device)
         model.eval()
         model.requires_grad_(False)
+        setattr(model, FULL_LENGTH_ATTR, bool(cfg.MODEL.TEXT_FULL_LENGTH))
     return model
 
 

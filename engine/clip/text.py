@@ -8,9 +8,11 @@ in blocks of 8/16 lanes, and a ragged length changes their summation order (diff
 ~1e-6 in fp32), while a multiple of 16 gives bit-identical features to the full 77-token
 sequence on CPU (tests/test_clip.py), at a fraction of the cost.
 
-:func:`full_length_prompts` switches the cut off inside a ``with`` block: models built there keep
-the reference code bases' 77-token prompts (tools/benchmark.py measures the difference, and
-tests/test_performance.py checks that every trainer's outputs are identical either way).
+``MODEL.TEXT_FULL_LENGTH True`` switches the cut off for one model, read where the model is
+built: a CLIP loaded by :func:`engine.clip.load_clip` carries the key (:func:`keeps_full_length`)
+and the prompt learners and text encoders built from it keep the reference code bases' 77-token
+prompts (tools/benchmark.py measures the difference, and tests/test_performance.py checks that
+every trainer's outputs are identical either way). No state outside the model is involved.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
+
+from .model import FULL_LENGTH_ATTR
 
 
 @cache
@@ -59,23 +63,15 @@ def eot_indices(tokens: torch.Tensor) -> torch.Tensor:
 
 
 SEQ_MULTIPLE = 16
-_FULL_LENGTH = False  # set inside full_length_prompts()
 
 
-@contextmanager
-def full_length_prompts() -> Iterator[None]:
-    """Inside this block :func:`truncate_tokens` keeps every ``context_length`` token.
-
-    Prompt learners and frozen text features built inside it use the full 77-token sequences of
-    the reference code bases: the same features, at the reference cost. For benchmarks and
-    equivalence tests; training never needs it.
-    """
-    global _FULL_LENGTH
-    previous, _FULL_LENGTH = _FULL_LENGTH, True
-    try:
-        yield
-    finally:
-        _FULL_LENGTH = previous
+def keeps_full_length(clip_model) -> bool:
+    """Whether prompts built for ``clip_model`` keep all ``context_length`` tokens: its config's
+    ``MODEL.TEXT_FULL_LENGTH``, which :func:`engine.clip.load_clip` records on the model it
+    builds (False for a model built otherwise). Prompt learners pass it to
+    :func:`truncate_tokens` / ``register_class_prompts``; a :class:`TextEncoder` built from the
+    model takes it into its :class:`TextOptions`."""
+    return bool(getattr(clip_model, FULL_LENGTH_ATTR, False))
 
 
 SHARED_PREFIX_MIN = 2  # shortest common prefix worth encoding once (SOS + one more token)
@@ -84,12 +80,15 @@ SHARED_PREFIX_MIN = 2  # shortest common prefix worth encoding once (SOS + one m
 @dataclass(frozen=True)
 class TextOptions:
     """How a :class:`TextEncoder` runs its prompts (see the class doc), from the config keys
-    ``MODEL.TEXT_CHUNK`` (``chunk``), ``MODEL.CHECKPOINT_TEXT`` (``checkpoint``) and
-    ``MODEL.SHARED_PREFIX`` (``shared_prefix``) by :func:`text_options`."""
+    ``MODEL.TEXT_CHUNK`` (``chunk``), ``MODEL.CHECKPOINT_TEXT`` (``checkpoint``),
+    ``MODEL.SHARED_PREFIX`` (``shared_prefix``) and ``MODEL.TEXT_FULL_LENGTH``
+    (``full_length``) by :func:`text_options`."""
 
     chunk: int = 0  # prompts per pass through the tower (0: all at once)
     checkpoint: bool = False  # activation checkpointing of each chunk (training only)
     shared_prefix: bool = False  # common prompt prefixes encoded once in every pass
+    # tokenised text keeps all 77 tokens (the reference cost; the same features): see the module
+    full_length: bool = False
 
     def __post_init__(self):
         if self.chunk < 0:
@@ -101,7 +100,12 @@ class TextOptions:
 def text_options(cfg) -> TextOptions:
     """The text encoders' options of ``cfg``, read once where the model is built."""
     m = cfg.MODEL
-    return TextOptions(int(m.TEXT_CHUNK), bool(m.CHECKPOINT_TEXT), bool(m.SHARED_PREFIX))
+    return TextOptions(
+        int(m.TEXT_CHUNK),
+        bool(m.CHECKPOINT_TEXT),
+        bool(m.SHARED_PREFIX),
+        bool(m.TEXT_FULL_LENGTH),
+    )
 
 
 @contextmanager
@@ -183,19 +187,24 @@ def _supports_shared_prefix(block: nn.Module) -> bool:
     )
 
 
-def truncated_length(eot_idx: torch.Tensor, context_length: int = 77) -> int:
+def truncated_length(
+    eot_idx: torch.Tensor, context_length: int = 77, full_length: bool = False
+) -> int:
     """``max(eot_idx) + 1`` rounded up to a multiple of SEQ_MULTIPLE (at most the context);
-    the whole context inside :func:`full_length_prompts`."""
-    if _FULL_LENGTH:
+    the whole context with ``full_length`` (``MODEL.TEXT_FULL_LENGTH``)."""
+    if full_length:
         return context_length
     n = int(eot_idx.max()) + 1
     return min(context_length, -(-n // SEQ_MULTIPLE) * SEQ_MULTIPLE)
 
 
-def truncate_tokens(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens[:, :truncated_length], eot_idx)``."""
+def truncate_tokens(
+    tokens: torch.Tensor, full_length: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens[:, :truncated_length], eot_idx)``; ``full_length``: every token kept (the
+    prompts' :func:`keeps_full_length`)."""
     eot = eot_indices(tokens)
-    return tokens[:, : truncated_length(eot, tokens.shape[1])], eot
+    return tokens[:, : truncated_length(eot, tokens.shape[1], full_length)], eot
 
 
 LayerHook = Callable[..., torch.Tensor]  # hook(i, x, *row_args) -> x
@@ -248,7 +257,8 @@ class TextEncoder(nn.Module):
         if mask is None:
             raise ValueError("The text tower has no causal mask; prompt truncation needs one")
         self.register_buffer("attn_mask", mask, persistent=False)  # [ctx, ctx] additive
-        self.options = options or TextOptions()
+        # the options until configure(): the model's full-length prompts (read at build)
+        self.options = options or TextOptions(full_length=keeps_full_length(clip_model))
         self._prefix_pass = False  # inside sharing_prefix(): passes without gradients share
 
     def configure(self, options: TextOptions) -> None:
@@ -438,10 +448,11 @@ class TextEncoder(nn.Module):
 
     @torch.no_grad()
     def encode_tokens(self, tokens: torch.Tensor, truncate: bool = True) -> torch.Tensor:
-        """Features of tokenised text (frozen CLIP), truncated to the longest EOT by default."""
+        """Features of tokenised text (frozen CLIP), truncated to the longest EOT by default
+        (cut at the whole context with the ``full_length`` option)."""
         tokens = tokens.to(self.positional_embedding.device)
         if truncate:
-            tokens, eot = truncate_tokens(tokens)
+            tokens, eot = truncate_tokens(tokens, self.options.full_length)
         else:
             eot = eot_indices(tokens)
         return self(self.embed_tokens(tokens), eot)
