@@ -2,7 +2,8 @@
 
 Whoever drives the optimizer step (the engine's ``TrainerX``, a Dassl trainer file with CoOp's
 ``model_backward_and_update(loss)`` or CoCoOp's own ``loss.backward(); optim.step()``, loaded
-with ``--plugin``, run by a packed worker) goes through :class:`optim.step.OptimizerStep`, which
+with ``--plugin``, run by a packed worker or as train.py's own process, the way a SLURM job runs
+it) goes through :class:`optim.step.OptimizerStep`, which
 calls what the optimizer declares it needs (``begin_step`` before the first forward, recorded
 logits, per-item passes) and refuses a step that was not opened. So every registered optimizer
 gives, through every door, the parameters of the engine's path (float64, a linear model:
@@ -11,8 +12,11 @@ tests/examples/step_doors.py); a caller that forgets ``begin_step`` is refused.
 
 from __future__ import annotations
 
+import os
 import os.path as osp
 import runpy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -145,51 +149,70 @@ def test_a_step_of_its_own_is_refused_before_training(doors, batches):
     train(OwnStep, optimizer_opts("adam"), batches)
 
 
-# the plugin door runs the optimizers that need more than the loss (begin_step and a forward of
-# their own: MESA; logits and dataset indices: SAF; per-item passes on a part of a loader batch:
-# ESAM); the in-process test above runs every registered one through the same classes
-PLUGIN_OPTIMIZERS = ("mesa", "saf", "esam")
+DOORS = ("DoorsEngine", "DoorsDassl", "DoorsDasslOwnStep")
 
 
-def test_optimizers_through_the_plugin_file_in_a_packed_worker(tmp_path, dtd_root):
-    """train.py runs of the plugin file's trainers in one packed worker (tools/worker.py, as
-    ``tools/grid.py --in-process`` runs them) on a generated dataset: the Dassl file's
-    parameters after 3 epochs equal the engine trainer's."""
+@pytest.mark.slow
+def test_every_optimizer_through_the_plugin_file_in_one_packed_worker(tmp_path, dtd_root):
+    """train.py runs of the plugin file's three trainers for every registered optimizer, one
+    after another in one packed worker (experiments/worker.py, as ``tools/grid.py --in-process``
+    runs a chain) on a generated dataset: after 3 epochs both Dassl doors' parameters equal the
+    engine trainer's, bit for bit, and every optimizer trained something else than SGD. The
+    worker keeps its process between runs, so a run that left state behind (a registry entry,
+    a switch, a seed) would change the runs after it. A SLURM job (experiments/grid_slurm.py)
+    runs the same train.py command lines, each as a process of its own: one such run (SAF, the
+    Dassl file's own step) gives the worker's parameters too."""
     from engine.clip.toy import TINY_OPTS
     from experiments.worker import Worker
 
     dtd = osp.join(ROOT, "configs/datasets/dtd.yaml")
-    worker = Worker()
+    console = str(tmp_path / "console.txt")
+    # one thread: a tiny model's steps cost less than a thread pool's hand-offs (0.45 s of CPU a
+    # run instead of 1.1 s), and every run here uses the same
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+    def argv(name: str, door: str, out: str) -> list[str]:
+        return [
+            "--root", dtd_root, "--seed", "1", "--trainer", door,
+            "--dataset-config-file", dtd, "--output-dir", out, "--plugin", DOORS_FILE,
+            *TINY_OPTS, *COMMON, *optimizer_opts(name), "OPTIM.MAX_EPOCH", str(EPOCHS),
+            "DATASET.NUM_SHOTS", "2", "DATALOADER.TRAIN_X.BATCH_SIZE", "7",  # 2 steps an epoch
+            "TEST.NO_TEST", "True",
+        ]  # fmt: skip
+
+    worker = Worker(env=env)
     outs = {}
     try:
-        for name in ("sgd", *PLUGIN_OPTIMIZERS):
-            for door in ("DoorsEngine", "DoorsDassl"):
-                out = str(tmp_path / f"{name}-{door}")
-                argv = [
-                    "--root", dtd_root, "--seed", "1", "--trainer", door,
-                    "--dataset-config-file", dtd, "--output-dir", out, "--plugin", DOORS_FILE,
-                    *TINY_OPTS, *COMMON, *optimizer_opts(name), "OPTIM.MAX_EPOCH", str(EPOCHS),
-                    "DATASET.NUM_SHOTS", "2", "TEST.NO_TEST", "True",
-                ]  # fmt: skip
-                if name == "sgd" and door == "DoorsDassl":
-                    continue
-                assert worker.run(argv, console=str(tmp_path / "console.txt")) == 0, open(
-                    tmp_path / "console.txt"
-                ).read()[-3000:]
-                outs[name, door] = out
+        for name in OPTIMIZERS:
+            for door in DOORS:
+                out = outs[name, door] = str(tmp_path / f"{name.replace(':', '-')}-{door}")
+                assert worker.run(argv(name, door, out), console) == 0, open(console).read()[-3000:]
     finally:
         worker.close()
+    own = str(tmp_path / "process")  # a SLURM job's run: train.py in a process of its own
+    cmd = [sys.executable, osp.join(ROOT, "train.py"), *argv("saf", "DoorsDasslOwnStep", own)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
     def params(out):
         path = osp.join(out, "model", f"model.pth.tar-{EPOCHS}")
         return torch.load(path, weights_only=True)["state_dict"]
 
+    def assert_equal(out, engine, what):
+        for key, value in params(out).items():
+            assert torch.equal(value, engine[key]), (*what, key)  # bit for bit
+
     sgd = params(outs["sgd", "DoorsEngine"])
-    for name in PLUGIN_OPTIMIZERS:
+    for name in OPTIMIZERS:
         engine = params(outs[name, "DoorsEngine"])
         assert engine["fc.weight"].dtype == torch.float64
-        assert not torch.allclose(engine["fc.weight"], sgd["fc.weight"]), name  # not plain SGD
-        for key, value in params(outs[name, "DoorsDassl"]).items():
-            assert torch.equal(value, engine[key]), (name, key)  # bit for bit
-    log = open(osp.join(outs["saf", "DoorsDassl"], "log.txt")).read()
-    assert "Optimizer: saf(sgd)" in log and "traj_loss" in log
+        if name != "sgd":
+            assert not torch.allclose(engine["fc.weight"], sgd["fc.weight"]), name  # not SGD
+        base = name.partition(":")[0]
+        label = f"{base}(sgd)" if OPTIMIZER_REGISTRY.get(base).kind == "sharpness" else base
+        for door in DOORS[1:]:
+            assert_equal(outs[name, door], engine, (name, door))
+            log = open(osp.join(outs[name, door], "log.txt")).read()
+            assert f"Optimizer: {label} over" in log, (name, door)
+    assert_equal(own, params(outs["saf", "DoorsEngine"]), ("saf", "train.py process"))
+    assert "traj_loss" in open(osp.join(own, "log.txt")).read()
