@@ -38,17 +38,20 @@ Differences from the DePT code base (Koorye/DePT, d4ff416), all deliberate:
 
 - the head's parameters are fp32 master weights in every precision mode (DePT's fp16 mode
   trained a half-precision linear layer); in fp16 mode the features enter the head in fp32;
-- the head is decided by ``TRAINER.DEPT.HEAD`` (``auto``: DePT's rule, base classes or ImageNet's
-  classes; ``on``/``off``); training without a head is refused (DePT's code failed on an assert)
-  and ``HEAD on`` trains DePT on all the classes of a dataset (few-shot runs, which DePT did not
-  publish);
+- the head is built for the classes the model is built for and saved with their names' keys
+  (``head_classes``): a model of other classes (new classes, another dataset) loads the
+  checkpoint with the head off, one of a subset of them (ImageNet-A/-R) with the head's rows of
+  its classes. DePT decided by ``DATASET.SUBSAMPLE_CLASSES`` and the dataset's name (base
+  classes, or ImageNet's); that rule gives the same heads in the base-to-new, cross-dataset and
+  domain-generalisation protocols, is kept for checkpoints without the keys (DePT's own), and
+  training on all the classes of any dataset (few-shot runs, which DePT did not publish) works;
 - ``TYPE similarity`` works with CoCoOp (DePT's CoCoOp variant returned no labels and failed);
 - the base learners are this project's (trainers/coop.py, cocoop.py, kgcoop.py, maple.py) with
   their own documented differences; the features the head sees are theirs before the L2
   normalisation, as in DePT;
-- checkpoints hold the prompt learner and the head only (DePT saved all of CLIP); a model built
-  for other classes (new classes, other datasets) ignores the saved linear classifier, and
-  ImageNet-A/-R keep its rows of their 200 classes (as DePT's ``load_model``).
+- checkpoints hold the prompt learner and the head only (DePT saved all of CLIP);
+- ``OPTIM.SAM.NAME esam`` with ``SELECT_PASS masked`` is refused (it replaces one cross-entropy
+  of the loss; DePT's has two): ``subset`` runs.
 """
 
 from __future__ import annotations
@@ -150,7 +153,9 @@ class DePTLearner(nn.Module):
         device: where the head lives.
     """
 
-    def __init__(self, prompt_learner: nn.Module, dim: int, classnames: list[str], cfg, device=None):
+    def __init__(
+        self, prompt_learner: nn.Module, dim: int, classnames: list[str], cfg, device=None
+    ):
         super().__init__()
         node = cfg.TRAINER.DEPT
         self.prompt_learner = prompt_learner
@@ -336,10 +341,10 @@ class DePTMixin:
         also hold its KgCoOp's unused modules, ignored here."""
         state = dict(checkpoint.get("state_dict", checkpoint))
         state = {(k[7:] if k.startswith("module.") else k): v for k, v in state.items()}
-        for key in [k for k in state if k.startswith(KGCOOP_UNUSED)]:
-            del state[key]
         d = self.dept
         own = d.state_dict()
+        for key in [k for k in state if k.startswith(KGCOOP_UNUSED) and k not in own]:
+            del state[key]
         saved_keys = state.get("head_classes")
         if saved_keys is not None:
             rows = rows_of(saved_keys, d.head_classes)

@@ -17,7 +17,8 @@ the evaluation logits on two new classes of a model built for them that loads th
 tensors as the authors' ``load_model`` does (``strict=False``, the class-dependent buffers
 dropped). The config is the authors' train.py ``extend_cfg`` defaults and their published
 DePT files, with smaller context counts; the tiny CLIP is the project's
-``engine.clip.toy.write_tiny_clip`` (``DEPT_CLIP``, seed 0), whose open_clip state dict loads
+``engine.clip.toy.write_tiny_clip`` (``DEPT_CLIP``, seed 0) with its weights rounded to half
+precision (:func:`fp16_representable`), whose open_clip state dict loads
 into the authors' ``clip.model.build_model`` / ``clip_maple.model.build_model`` (the same key
 names; the text and vision widths are multiples of 64, as OpenAI's ``build_model`` infers the
 heads as width // 64; MaPLe's code hard-codes the text width 512 and the vision width 768).
@@ -32,8 +33,12 @@ Patches to run it (the only changes to the authors' code, all at run time):
   makes fp32 the frozen second copy of KgCoOp's ``PromptLearner`` (the hand-crafted text
   features), which their code leaves in half precision whatever PREC;
 - ``torch.Tensor.cuda`` / ``nn.Module.cuda`` (KgCoOp's frozen copy) are no-ops (CPU only);
-- MaPLe's ``self.proj.half()`` (hard-coded): the projection is cast back to fp32 after the
-  model is built (fp32 comparison); its initial values are recorded after that.
+- ``torch.Tensor.half`` is the identity: MaPLe's code (``trainers/maple.py``,
+  ``clip_maple/model.py``) hard-codes ``half()`` on its projection and on the prompts where they
+  enter the towers, which in fp32 mode rounds them (and their gradients) to half precision and
+  fails on the half projection of an fp32 context; their fp16 mode, where these casts do
+  nothing, is what it was written for. (``convert_weights`` of ``build_model`` then keeps the
+  weights as they are: the tiny CLIP's are half-precision values already.)
 
 The trainer-side steps the script does itself, as the authors' ``build_model`` and
 ``forward_backward`` do: ``requires_grad`` by ``TRAINER.NAMES_TO_UPDATE``, ``model.train()``,
@@ -77,6 +82,50 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(len(LABELS), 3, 32, 32, generator=g), torch.tensor(LABELS)
 
 
+def init_values(shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The learnable tensors both sides start from (by DePT's names): cwT scales 1 + 0.1 N(0, 1),
+    everything else 0.02 N(0, 1) (0.1 for the cwT shifts), from one generator in name order, so
+    the reference need not store them and no initialisation scheme is assumed."""
+    g = torch.Generator().manual_seed(99)
+    values = {}
+    for name in sorted(shapes):
+        noise = torch.randn(shapes[name], generator=g)
+        if ".film_lp_" in f".{name}" and name.endswith(".scale"):
+            values[name] = 1 + 0.1 * noise
+        elif ".film_lp_" in f".{name}":
+            values[name] = 0.1 * noise
+        else:
+            values[name] = 0.02 * noise
+    return values
+
+
+FULL = 20000  # tensors up to this size are stored whole; larger ones by a digest
+
+
+def digest(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"all": t}`` for a small tensor; for a large one (MaPLe's 512 x 768 projections) 4,096
+    fixed entries (the same positions for every tensor of that size), the sum and the sum of
+    squares (float64)."""
+    t = t.detach().float()
+    if t.numel() <= FULL:
+        return {"all": t.clone()}
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randperm(t.numel(), generator=g)[:4096]
+    flat = t.flatten()
+    return {
+        "val": flat[idx].clone(),
+        "sum": flat.double().sum(),
+        "sq": flat.double().square().sum(),
+    }
+
+
+def fp16_representable(state: dict) -> dict:
+    """The CLIP state dict with every float tensor rounded to half precision and back: the
+    authors' ``build_model`` loads the weights into half-precision layers (``convert_weights``)
+    before their fp32 mode casts them back, so both sides use these values."""
+    return {k: v.half().float() if v.is_floating_point() else v for k, v in state.items()}
+
+
 def clip_checksum(state: dict) -> float:
     """A fingerprint of the tiny CLIP's weights (the test checks it: another open_clip or torch
     that draws other weights fails with a clear message, not a numeric difference)."""
@@ -87,8 +136,9 @@ def write_clip(folder: str) -> str:
     """The tiny CLIP checkpoint (in a subprocess: the project's packages stay out of this one,
     whose ``clip`` and ``trainers`` are the authors')."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from engine.clip.toy import write_tiny_clip;"
-        "import json; print(write_tiny_clip(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))[1])"
+        "import sys, json; sys.path.insert(0, sys.argv[1]);"
+        "from engine.clip.toy import write_tiny_clip;"
+        "print(write_tiny_clip(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))[1])"
     )
     import json
 
@@ -186,17 +236,16 @@ def build(variant: str, subsample: str, classnames, state_dict):
     mod = importlib.import_module(f"trainers.{MODULES[variant]}")
     cfg = authors_cfg(variant, subsample)
     model = mod.CustomCLIP(cfg, classnames, mod.load_clip_to_cpu(cfg))
-    if variant == "MaPLe":
-        model.prompt_learner.proj.float()  # patch: the hard-coded half() (fp32 comparison)
     for name, param in model.named_parameters():
         param.requires_grad_(any(n in name for n in cfg.TRAINER.NAMES_TO_UPDATE))
     return model, cfg
 
 
-def learnable(model) -> dict[str, torch.Tensor]:
+def learnable(model, variant: str) -> dict[str, torch.Tensor]:
     """The learnable tensors that DePT uses (KgCoOp's unused meta_net/bias_vectors left out:
-    they get no gradient and the optimizer skips them)."""
+    they get no gradient and the optimizer skips them; CoCoOp's meta-net is used)."""
     unused = ("prompt_learner.meta_net.", "prompt_learner.bias_vectors")
+    unused = unused if variant == "KgCoOp" else ("-",)
     return {
         n: p.detach().clone()
         for n, p in model.named_parameters()
@@ -210,7 +259,12 @@ def run_variant(variant: str, clip_state: dict) -> dict:
     torch.manual_seed(SEED)
     model, cfg = build(variant, "base", BASE, clip_state)
     image, label = inputs()
-    out = {"init": learnable(model)}
+    start = init_values({n: t.shape for n, t in learnable(model, variant).items()})
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in start:
+                p.copy_(start[n])
+    out = {"names": sorted(start)}
     model.eval()
     with torch.no_grad():
         out["logits_base"] = model(image).detach().clone()
@@ -222,12 +276,10 @@ def run_variant(variant: str, clip_state: dict) -> dict:
     loss.backward()
     out["loss"] = loss.detach().clone()
     out["grad"] = {
-        n: p.grad.detach().clone()
-        for n, p in model.named_parameters()
-        if n in out["init"] and p.grad is not None
+        n: digest(p.grad) for n, p in model.named_parameters() if n in start and p.grad is not None
     }
     optim.step()
-    out["after_step"] = learnable(model)
+    out["after_step"] = {n: digest(t) for n, t in learnable(model, variant).items()}
     # new classes: a model built for them loads the stepped tensors as the authors' load_model
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(("_prefix", "_suffix"))}
     new_model, _ = build(variant, "new", NEW, clip_state)
@@ -239,14 +291,17 @@ def run_variant(variant: str, clip_state: dict) -> dict:
 
 
 def main(authors: str, dest: str) -> None:
-    commit = os.environ.get("DEPT_COMMIT") or subprocess.run(
-        ["git", "-C", authors, "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("DEPT_COMMIT")
+        or subprocess.run(
+            ["git", "-C", authors, "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     if not commit:
         raise SystemExit("name the authors' commit: DEPT_COMMIT=<sha> (an archive has no .git)")
     with tempfile.TemporaryDirectory() as tmp:
         clip_path = write_clip(tmp)
-        clip_state = torch.load(clip_path, map_location="cpu")
+        clip_state = fp16_representable(torch.load(clip_path, map_location="cpu"))
     sys.path.insert(0, authors)
     install_placeholders()
     trainers = types.ModuleType("trainers")  # the package without its __init__ (every trainer)
@@ -254,6 +309,7 @@ def main(authors: str, dest: str) -> None:
     sys.modules["trainers"] = trainers
     torch.Tensor.cuda = lambda self, *a, **k: self  # patch: CPU only
     torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.Tensor.half = lambda self, *a, **k: self  # patch: fp32 (MaPLe's hard-coded half())
 
     import importlib
 
@@ -296,7 +352,9 @@ def main(authors: str, dest: str) -> None:
         dest,
     )
     digest = hashlib.sha256(open(dest, "rb").read()).hexdigest()[:12]
-    print(f"wrote {dest} ({os.path.getsize(dest)} bytes, sha256 {digest}); authors' commit {commit}")
+    print(
+        f"wrote {dest} ({os.path.getsize(dest)} bytes, sha256 {digest}); authors' commit {commit}"
+    )
 
 
 if __name__ == "__main__":
