@@ -321,3 +321,16 @@ def test_published_numbers_are_the_comparison_column():
         for m in ("base", "new"):
             mean = statistics.fmean(v["base2new", trainer, "sgd", d, m] for d in BASE2NEW_DATASETS)
             assert abs(mean - v["base2new", trainer, "sgd", "average", m]) < 0.011, (trainer, m)
+
+
+def test_grid_runs_dept_in_every_protocol(tmp_path):
+    from experiments import grid_plan
+    from experiments.protocols import Setup, missing_files
+
+    chains = grid_plan.expand(grid_plan.PRESETS["dept"], Setup(output=str(tmp_path)))
+    runs = [r for c in chains for r in c.runs]
+    assert {r.trainer for r in runs} == set(grid_plan.DEPT_TRAINERS)
+    assert not [m for r in runs for m in missing_files(r)]  # every config and optim file exists
+    train = [r for r in runs if r.trainer == "DePT_MaPLe" and r.optim == "sample"]
+    assert {r.cfg for r in train} == {"vit_b16_c2_ep10_batch4_2ctx"}
+    assert any("configs/optim/DePT_MaPLe/sample.yaml" == r.optim_file for r in train)
