@@ -351,3 +351,27 @@ def test_published_transfer_numbers():
         for d in ("imagenet", "imagenetv2", "imagenet_sketch", "imagenet_a", "imagenet_r"):
             assert 40 < v["domain_gen", trainer, "sgd", d, "acc"] < 80
     assert v["domain_gen", "DePT_MaPLe", "sgd", "imagenet_a", "acc"] == 49.70
+
+
+def test_a_checkpoint_gives_a_subset_of_its_classes_their_head_rows(tiny_clip_opts, tmp_path):
+    """ImageNet -> ImageNet-A/-R: the head keeps the rows of the classes the model is built for
+    (by name, in its label order); other classes turn the head off."""
+
+    def build(classes, out):
+        opts = [*tiny_clip_opts, "OUTPUT_DIR", str(tmp_path / out), "TRAINER.COOP.PREC", "fp32"]
+        return build_trainer(make_cfg(opts, trainer="DePT_CoOp"), classnames=classes)
+
+    source = build(["crane", "dog", "crane", "cat"], "source")
+    source.save_model(0, str(tmp_path / "ckpt"))
+    subset = build(["cat", "crane", "crane"], "subset")
+    subset.load_model(str(tmp_path / "ckpt"), epoch=1)
+    assert subset.dept.has_head
+    torch.testing.assert_close(
+        subset.dept.linear_probe_proj.weight, source.dept.linear_probe_proj.weight[[3, 0, 2]]
+    )
+    torch.testing.assert_close(subset.dept.film_lp_img.scale, source.dept.film_lp_img.scale)
+    other = build(["cat", "bird"], "other")
+    other.load_model(str(tmp_path / "ckpt"), epoch=1)
+    assert not other.dept.has_head
+    with pytest.raises(ConfigError, match="other classes"):
+        other.compute_loss((torch.randn(2, 32), torch.tensor([0, 1])))
