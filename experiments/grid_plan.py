@@ -88,6 +88,11 @@ PRESETS["efficient"] = PRESETS["efficient-base2new"] + PRESETS["efficient-transf
 PRESETS["paper"] = PRESETS["paper-base2new"] + PRESETS["paper-transfer"]
 PRESETS["extra"] = PRESETS["extra-base2new"] + PRESETS["extra-transfer"]
 PRESETS["sweep"] = PRESETS["sweep-rho"] + PRESETS["sweep-lambda"]
+# DePT over its four base learners (trainers/dept.py; published numbers in experiments/published/)
+DEPT_TRAINERS = ("DePT_CoOp", "DePT_CoCoOp", "DePT_KgCoOp", "DePT_MaPLe")
+PRESETS["dept-base2new"] = (SubGrid(("base2new",), DEPT_TRAINERS, OPTIMIZERS),)
+PRESETS["dept-transfer"] = (SubGrid(_TRANSFER, DEPT_TRAINERS, ("sgd", "sample")),)
+PRESETS["dept"] = PRESETS["dept-base2new"] + PRESETS["dept-transfer"]
 AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
 
 

@@ -196,10 +196,35 @@ def load_paper_results(path: str = PAPER_CSV) -> dict[tuple[str, str, str, str, 
     return out
 
 
+# Other papers' published numbers of the trainers the SAMPLe paper does not cover (e.g. DePT's
+# own tables for DePT_CoOp ...): one CSV per source in experiments/published/, the columns of
+# paper_results.csv; they give those trainers' rows their comparison column
+PUBLISHED_DIR = osp.join(osp.dirname(osp.abspath(__file__)), "published")
+
+
+@lru_cache(maxsize=4)
+def load_published_results(folder: str = PUBLISHED_DIR) -> dict[tuple, float]:
+    """Every CSV of ``folder`` (:data:`PUBLISHED_DIR`) read as :func:`load_paper_results`; a key
+    in two files, or one that the SAMPLe paper's file also holds, is an error."""
+    import glob
+
+    out: dict[tuple, float] = {}
+    paper = load_paper_results()
+    for path in sorted(glob.glob(osp.join(folder, "*.csv"))):
+        for key, value in load_paper_results(path).items():
+            if key in out or key in paper:
+                raise ValueError(f"{path}: {key} is published twice (another file holds it)")
+            out[key] = value
+    return out
+
+
 def paper_value(
     table: str, trainer: str, optimizer: str, dataset: str, metric: str = "acc"
 ) -> float | None:
     """One published number, or None where the paper has no such cell (any reproduction mode's
-    row is compared with the published number)."""
+    row is compared with the published number); trainers the SAMPLe paper has no numbers for
+    take their own paper's (:func:`load_published_results`)."""
     optimizer = split_mode(optimizer)[0]
-    return load_paper_results().get((table, trainer, optimizer, dataset, metric))
+    key = (table, trainer, optimizer, dataset, metric)
+    value = load_paper_results().get(key)
+    return value if value is not None else load_published_results().get(key)

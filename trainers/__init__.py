@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     cocoop,
     coop,
     coprompt,
+    dept,
     ivlp,
     kgcoop,
     maple,

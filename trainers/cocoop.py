@@ -138,7 +138,12 @@ class CoCoOpCLIP(FrozenImageCLIP):
         return rows - rows % pl.n_cls if rows >= pl.n_cls else rows
 
     def encode_text(self, image_features: torch.Tensor) -> torch.Tensor:
-        """Normalised text features ``[batch, n_cls, dim]`` of every (image, class) prompt.
+        """Normalised text features ``[batch, n_cls, dim]`` of every (image, class) prompt."""
+        return l2_normalize(self.raw_text(image_features))
+
+    def raw_text(self, image_features: torch.Tensor) -> torch.Tensor:
+        """Text features ``[batch, n_cls, dim]`` of every (image, class) prompt, not normalised
+        (DePT's head reads them so).
 
         One batched text-encoder pass over the ``batch * n_cls`` prompts, in chunks of
         :meth:`chunk_size` prompts built on the fly.
@@ -152,8 +157,7 @@ class CoCoOpCLIP(FrozenImageCLIP):
             rows = torch.arange(start, min(start + step, total), device=contexts.device)
             eot = pl.eot_idx[rows % pl.n_cls]
             feats.append(self.text_encoder(pl.prompts(contexts, rows), eot))  # [rows, dim]
-        text = torch.cat(feats).view(contexts.shape[0], pl.n_cls, -1)  # [batch, n_cls, dim]
-        return l2_normalize(text)
+        return torch.cat(feats).view(contexts.shape[0], pl.n_cls, -1)  # [batch, n_cls, dim]
 
     def logits(self, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
         """``[batch, n_cls]`` logits of each image against its own class features."""
