@@ -268,6 +268,10 @@ class ProGrad(PromptTrainer):
         "transfer": "vit_b16_ep50_ctxv1",
     }  # few-shot (not a grid protocol): vit_b16_ctxv1 (8/16 shots), rn50* as released
 
+    # the sharpness-aware optimizers it refuses and the reason the refusal gives (optim/prograd.py;
+    # tests/test_trainer_matrix.py checks each); ESAM's masked pass is refused too
+    REFUSED_OPTIMIZERS = {name: "adds a loss term of its own" for name in ("saf", "mesa")}
+
     add_config = staticmethod(add_prograd_config)
 
     @classmethod
