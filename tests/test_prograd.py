@@ -264,3 +264,24 @@ def test_train_py_base_then_new_with_sample(tmp_path, dtd_root, tiny_clip_opts):
     )  # fmt: skip
     accuracy = [line for line in (new / "log.txt").read_text().splitlines() if "accuracy" in line]
     assert accuracy and not math.isnan(float(accuracy[-1].split()[-1].rstrip("%")))
+
+
+def test_the_authors_checkpoints_load_for_evaluation(reference, tmp_path):
+    """Dassl's checkpoint of their prompt learner (``ctx`` with the class-dependent
+    ``token_prefix``/``token_suffix`` of the training classes) loads for other classes."""
+    _, cfg_path, ckpt = reference
+    opts = ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path, "MODEL.BACKBONE.PATH"]
+    opts += [ckpt, "INPUT.SIZE", "(32, 32)", "TRAINER.PROGRAD.PREC", "fp32"]
+    trainer = build_trainer(make_cfg(opts, trainer="ProGrad"), classnames=["a", "b"])
+    ctx = torch.randn_like(trainer.model.prompt_learner.ctx)
+    state = {
+        "ctx": ctx,
+        "token_prefix": torch.zeros(5, 1, 64),
+        "token_suffix": torch.zeros(5, 60, 64),
+    }
+    folder = tmp_path / "model" / "prompt_learner"
+    folder.mkdir(parents=True)
+    torch.save({"state_dict": state, "epoch": 100}, folder / "model.pth.tar-100")
+    trainer.load_model(str(tmp_path / "model"), epoch=100)
+    assert torch.equal(trainer.model.prompt_learner.ctx.detach(), ctx)
+    assert trainer.model.prompt_learner.token_prefix.shape[0] == 2  # this run's classes
