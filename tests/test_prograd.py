@@ -285,3 +285,16 @@ def test_the_authors_checkpoints_load_for_evaluation(reference, tmp_path):
     trainer.load_model(str(tmp_path / "model"), epoch=100)
     assert torch.equal(trainer.model.prompt_learner.ctx.detach(), ctx)
     assert trainer.model.prompt_learner.token_prefix.shape[0] == 2  # this run's classes
+
+
+def test_amp_scale_passes_through_and_data_parallel_is_refused():
+    a = torch.zeros(2, requires_grad=True)
+    ce = a @ torch.tensor([1.0, 0.0])
+    kl = a @ torch.tensor([-1.0, 1.0])
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    ProGradProjection(1.0).backward(guided(ce, kl), [a], scaler)
+    assert torch.allclose(a.grad, 8.0 * torch.tensor([0.5, 0.5]))  # scale x ProGrad's gradient
+    step = OptimizerStep([torch.optim.SGD([a], lr=0.1)])
+    step.grad_sync = object()  # as engine.distributed.attach sets it in a data-parallel run
+    with pytest.raises(OptimConfigError, match="does not run data-parallel"):
+        step.set_projection(ProGradProjection(1.0))
