@@ -135,6 +135,8 @@ class ProGradProjection:
         guide_grads = torch.autograd.grad(
             scale(guide), params, retain_graph=True, allow_unused=True
         )
+        # own copies: a gradient may be a view of a buffer that the second backward reuses
+        guide_grads = [g if g is None else g.clone() for g in guide_grads]
         scale(loss).backward()
         conflicts = 0
         for p, g_kl in zip(params, guide_grads, strict=True):

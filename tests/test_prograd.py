@@ -298,3 +298,13 @@ def test_amp_scale_passes_through_and_data_parallel_is_refused():
     step.grad_sync = object()  # as engine.distributed.attach sets it in a data-parallel run
     with pytest.raises(OptimConfigError, match="does not run data-parallel"):
         step.set_projection(ProGradProjection(1.0))
+
+
+def test_cuda_graph_compile_modes_run_eagerly(reference, caplog):
+    _, cfg_path, ckpt = reference
+    opts = ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path, "MODEL.BACKBONE.PATH"]
+    opts += [ckpt, "INPUT.SIZE", "(32, 32)", "TRAINER.PROGRAD.PREC", "fp32"]
+    with caplog.at_level("INFO", logger="trainers.prograd"):
+        cfg = make_cfg([*opts, "MODEL.COMPILE", "reduce-overhead"], trainer="ProGrad")
+        trainer = build_trainer(cfg, classnames=["a", "b"])
+    assert trainer.compiled_modules == [] and "uses CUDA graphs" in caplog.text

@@ -47,6 +47,8 @@ Differences from the authors' code, all deliberate:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,6 +69,8 @@ from .common import (
 from .coop import PromptLearner, check_class_token_position
 from .zsclip import DEFAULT_TEMPLATE
 
+logger = logging.getLogger(__name__)
+
 # ProGrad's hand-crafted templates (its trainers/prograd.py): the zero-shot prompts of the KL
 # term, and the words of CTX_INIT "template"
 PROGRAD_TEMPLATES = {
@@ -86,6 +90,7 @@ PROGRAD_TEMPLATES = {
     "ImageNetA": "a photo of a {}.",
     "ImageNetR": "a photo of a {}.",
 }
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes with CUDA graphs
 TEMPLATE_INIT = "template"  # CTX_INIT: the words of the dataset's template (the authors' True)
 LOSS_NAMES = ("prograd",)  # the authors' LOSS.NAME values (anything else: NotImplementedError)
 
@@ -308,6 +313,21 @@ class ProGrad(PromptTrainer):
         self.optim_step.set_projection(
             ProGradProjection(self.trainer_cfg().LAMBDA, who="ProGrad (TRAINER.PROGRAD.LAMBDA)")
         )
+
+    def compile_model(self):
+        """Eager encoders under a CUDA-graph compile mode (``MODEL.COMPILE auto`` on a GPU,
+        ``reduce-overhead``, ``max-autotune``): the projection backpropagates twice through one
+        forward, and CUDA graphs replay into static buffers that the second backward would
+        overwrite (not measured on a GPU here: the safe side). Other modes compile."""
+        if self.compile_mode in CUDA_GRAPH_MODES and self.compiled_modules is None:
+            logger.info(
+                "ProGrad: MODEL.COMPILE %s uses CUDA graphs, which its two backward passes per "
+                "forward do not combine with; the encoders run eagerly (MODEL.COMPILE "
+                "max-autotune-no-cudagraphs compiles without them)",
+                self.cfg.MODEL.COMPILE,
+            )
+            self.compiled_modules = []
+        return super().compile_model()
 
     def build_model(self):
         clip_model = load_clip(self.cfg, precision=self.prec, device=self.device)
