@@ -42,6 +42,8 @@ Differences from the authors' code, all deliberate:
   stopped); ``CLASS_TOKEN_POSITION middle`` works (theirs raised a NameError);
 - datasets without a ProGrad template fall back to "a photo of a {}." (theirs: KeyError);
   ``DATASET.TEMPLATE`` replaces the template when set;
+- with ``CSC True`` and an initialisation the class-specific contexts all start from the words
+  (the authors' code then silently trained one shared context, as CoOp's did);
 - CoOp's deliberate differences (fp32 context, truncated prompts) apply.
 """
 
