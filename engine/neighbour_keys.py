@@ -14,15 +14,6 @@ from .errors import ConfigError
 
 # node -> (trainer, code base, what to use here instead)
 FOREIGN_NODES = {
-    "LOSS": (
-        "ProGrad",
-        "ProGrad's code base (BeierZhu/Prompt-align; KgCoOp's and TCP's repositories carry "
-        "copies of its configs/trainers/ProGrad/ and trainers/prograd.py)",
-        "--trainer KgCoOp or CoOp with configs/trainers/KgCoOp/ or configs/trainers/CoOp/; or "
-        "ProGrad's own trainers/prograd.py as a plugin, which brings these keys along: "
-        "PYTHONPATH=<ProGrad's repository> python train.py --plugin trainers.prograd "
-        "--trainer ProGrad ..., docs/porting-trainers.md",
-    ),
     "TRAINER.VPT": (
         "VPT",
         "MaPLe's code base (muzairkhattak/multimodal-prompt-learning: scripts/vpt/)",
@@ -62,7 +53,17 @@ _COPROMPT = (
     "--trainer CoPrompt, which reads CoPrompt's TRAINER.CoPrompt, TRAINER.W and "
     "TRAINER.DISTILL keys (its own scripts and configs run unchanged, docs/neighbours.md)",
 )
+_PROGRAD = (
+    "ProGrad's",
+    "ProGrad's code base (BeierZhu/Prompt-align; KgCoOp's and TCP's repositories carry copies "
+    "of its configs/trainers/ProGrad/ and trainers/prograd.py), whose train.py declares it",
+    "--trainer ProGrad, which reads ProGrad's LOSS.* and TRAINER.COOP.* keys (its own configs "
+    "and scripts run unchanged, docs/neighbours.md); or ProGrad's own trainers/prograd.py as a "
+    "plugin, which brings these keys along: PYTHONPATH=<ProGrad's repository> python train.py "
+    "--plugin trainers.prograd --trainer ProGrad ..., docs/porting-trainers.md",
+)
 NEIGHBOUR_LAYOUTS = {
+    "LOSS": _PROGRAD,  # ProGrad's (trainers/prograd.py reads them as TRAINER.PROGRAD.*)
     "TRAINER.COOP.W": _KGCOOP_TCP,
     "TRAINER.COOP.ALPHA": _KGCOOP_TCP,
     "TRAINER.CoPrompt": _COPROMPT,

@@ -188,6 +188,7 @@ class OptimizerStep:
         self._open: StepBatch | None = None  # the batch begin_step opened, until the step
         self._open_epoch: int | None = None
         self.grad_sync = None  # data-parallel (#29): optim.distributed.GradientSync, set by engine
+        self.projection = None  # ProGrad's gradient rule (optim.prograd), set by its trainer
         self.two_pass = [o for o in self.sharp if get_optimizer_spec(o).needs_closure]
         if self.sharp and len(self.optimizers) != 1:
             raise OptimConfigError(
@@ -222,7 +223,26 @@ class OptimizerStep:
             opt.zero_grad(set_to_none=True)
 
     def backward(self, loss: Tensor) -> None:
+        """Backpropagate ``loss`` (scaled under AMP); with a projection set, every backward of
+        the step (both passes of a two-pass optimizer) gives its projected gradient."""
+        if self.projection is not None:
+            params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+            self.projection.backward(loss, params, self.scaler)
+            return
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def set_projection(self, projection) -> None:
+        """Run every backward through ``projection`` (:class:`optim.prograd.ProGradProjection`),
+        after checking that this step's optimizers combine with it (refused with the reason)."""
+        if self.grad_sync is not None:
+            raise OptimConfigError(
+                f"{projection.who} does not run data-parallel yet: its projection needs the "
+                "all-reduced gradients of both of its terms before it is applied, and the "
+                "gradient sync all-reduces one. Train it in one process"
+            )
+        for opt in self.sharp:
+            projection.check_optimizer(opt)
+        self.projection = projection
 
     # -- data-parallel (#29): the one gradient-sync hook, after every backward an optimizer reads
     def sync_gradients(self, batch: StepBatch | None) -> None:
@@ -390,7 +410,7 @@ class OptimizerStep:
 
             def closure():
                 loss_p = loss_fn()
-                loss_p.backward()
+                self.backward(loss_p)
                 self.sync_gradients(batch)  # data-parallel (#29)
                 return loss_p.detach()
 
@@ -404,7 +424,7 @@ class OptimizerStep:
             scaler.update()  # backs off: the first pass overflowed
             return {}
         opt.first_step(zero_grad=True)
-        scaler.scale(loss_fn()).backward()
+        self.backward(loss_fn())  # scaled
         self.sync_gradients(batch)  # data-parallel (#29)
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         torch._foreach_mul_(grads, 1.0 / scale)

@@ -344,8 +344,16 @@ def test_keys_of_trainers_not_here_name_their_trainer(tmp_path):
     with pytest.raises(ConfigError) as info:  # KgCoOp's ProGrad configs
         make_cfg([], trainer="KgCoOp", config_file=str(tmp_path / "prograd.yaml"))
     msg = str(info.value)
-    assert "'LOSS.NAME'" in msg and "belongs to ProGrad" in msg and "BeierZhu/Prompt-align" in msg
-    assert "--trainer KgCoOp or CoOp" in msg
+    assert "'LOSS.NAME'" in msg and "ProGrad's layout" in msg and "BeierZhu/Prompt-align" in msg
+    assert "--trainer ProGrad" in msg
+    cfg = make_cfg([], trainer="ProGrad", config_file=str(tmp_path / "prograd.yaml"))  # its own
+    node = cfg.TRAINER.PROGRAD
+    assert (node.CTX_INIT, node.LOSS, node.T, cfg.OPTIM.MAX_EPOCH) == (
+        "template",
+        "prograd",
+        1.0,
+        200,
+    )
     with pytest.raises(ConfigError, match=r"TRAINER.VPT.N_CTX_VISION.*belongs to VPT"):
         make_cfg(["TRAINER.VPT.N_CTX_VISION", "8"], trainer="IVLP")
     with pytest.raises(ConfigError) as info:  # KgCoOp's CoCoOp configs: CTX_INIT True

@@ -16,6 +16,7 @@ from helpers import DEPTH, assert_one_step_updates, tiny_options
 from engine import build_trainer
 from engine.registry import TRAINER_REGISTRY
 from optim import list_optimizers
+from optim.errors import OptimConfigError
 
 PRECISIONS = ("fp32", "fp16", "amp", "bf16")
 # aliases (e.g. the SAMPLe authors' trainer names) train exactly what ALIAS_OF trains
@@ -58,6 +59,11 @@ def test_trainer_optimizer_precision(trainer, prec, sam, tmp_path, dtd_root, dee
     if sam in EFFICIENT:
         opts += ["OPTIM.SAM.EVERY", "2", "OPTIM.SAM.GAMMA", "0.5", "OPTIM.SAM.NOISE", "0.1"]
     opts += ["OPTIM.SAM.START_EPOCH", "0", "OPTIM.MAX_EPOCH", "1", "DATASET.NUM_SHOTS", "2"]
+    refused = getattr(TRAINER_REGISTRY.get(trainer), "REFUSED_OPTIMIZERS", {})
+    if name in refused:  # a combination the trainer refuses (e.g. ProGrad with SAF): the reason
+        with pytest.raises(OptimConfigError, match=refused[name]):
+            build_trainer(make_cfg(opts, trainer=trainer))
+        return
     tr = build_trainer(make_cfg(opts, trainer=trainer))
     if prec == "amp":  # the default 2**16 may overflow the tiny fp16 model's first steps
         tr.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     ivlp,
     kgcoop,
     maple,
+    prograd,
     promptsrc,
     sample_aliases,
     tcp,
