@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     ivlp,
     kgcoop,
     maple,
+    mmrl,
     promptsrc,
     sample_aliases,
     tcp,
