@@ -11,7 +11,8 @@ The CSV has one row per published number: ``table,trainer,optimizer,dataset,metr
   plain method row (whatever base optimizer the trainer uses), ``sam``, ``fsam``, ``sagm``,
   ``sample``; ``dataset``: config stems (``configs/datasets/<stem>.yaml``) or ``average``.
 
-The numbers were read from the LaTeX source in ``../shared/paper/`` by position (panel order,
+Rows of trainers in :data:`PUBLISHED_ELSEWHERE` hold their own papers' numbers (the paper
+column of their tables). The SAMPLe paper's numbers were read from the LaTeX source in ``../shared/paper/`` by position (panel order,
 5 trainers x 5 rows each) and checked by hand and by ``tests/test_results.py``. Known
 inconsistencies of the paper itself, kept as printed:
 
@@ -45,7 +46,11 @@ TABLES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 TRAINERS = ("CoOp", "CoCoOp", "MaPLe", "CoPrompt", "TCP")
 # trainers the paper has no numbers for (their tables have no paper column; tools/grid.py's
 # "extra" presets)
-EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC")
+EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC", "MMRL")
+# Published numbers of trainers outside the SAMPLe paper, kept in the same CSV as the comparison
+# column of their plain row (optimizer "sgd", whatever their base optimizer): MMRL's base-to-new
+# 11-dataset average (Guo and Gu, CVPR 2025, Table 1: Base 85.68, New 77.16, HM 81.20)
+PUBLISHED_ELSEWHERE = {"MMRL": "MMRL (CVPR 2025), Table 1 (base-to-new average)"}
 OPTIMIZERS = ("sgd", "sam", "fsam", "sagm", "sample")
 BASE2NEW_DATASETS = (
     "imagenet",

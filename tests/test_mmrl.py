@@ -278,10 +278,9 @@ LEARNABLE = set(REF.LEARNABLE.values())
 
 
 @pytest.mark.parametrize("optim", ["", "sample"])
-@pytest.mark.parametrize(
-    "prec", ["fp32", *(pytest.param(p, marks=pytest.mark.slow) for p in ("fp16", "amp", "bf16"))]
-)
-def test_one_step_trains_every_tensor(prec, optim, tmp_path, dtd_root_shared, clip_opts):
+def test_one_step_trains_every_tensor(optim, tmp_path, dtd_root_shared, clip_opts):
+    """fp32 with SGD and SAMPLe (every precision x optimizer: tests/test_trainer_matrix.py)."""
+    prec = "fp32"
     flags = ["--optim-config-file", osp.join(ROOT, f"configs/optim/MMRL/{optim}.yaml")]
     opts = (flags if optim else []) + ["--root", dtd_root_shared, "--seed", "1"]
     opts += ["--output-dir", str(tmp_path / "out"), *clip_opts, *mmrl_opts(prec)]
@@ -296,12 +295,9 @@ def test_one_step_trains_every_tensor(prec, optim, tmp_path, dtd_root_shared, cl
     params = list(tr.model.learner.parameters())
     before = [p.detach().clone() for p in params]
     batch = next(iter(tr.train_loader_x))
-    for i in range(6 if prec == "amp" else 1):  # amp: the GradScaler may skip the first steps
-        tr.batch_idx = i
-        out = tr.forward_backward(batch)
-        assert torch.isfinite(out["loss"]) and "reg_text" in out
-        if not torch.equal(before[0], params[0]):
-            break
+    tr.batch_idx = 0
+    out = tr.forward_backward(batch)
+    assert torch.isfinite(out["loss"]) and "reg_text" in out
     tr.close_writer()
     for b, p in zip(before, params, strict=True):
         assert p.dtype == torch.float32 and torch.isfinite(p).all() and not torch.equal(b, p)
@@ -322,7 +318,7 @@ def test_mmrls_checkpoint_loads(tmp_path, clip_opts, ref):
     folder = tmp_path / "theirs" / "MultiModalRepresentationLearner"
     folder.mkdir(parents=True)
     torch.save({"state_dict": theirs, "epoch": 5}, folder / "model.pth.tar-5")
-    tr.load_model(str(tmp_path / "theirs"), epoch=5)
+    tr.load_model(str(tmp_path / "theirs"))  # no --load-epoch: the newest, as MMRL's scripts
     state = tr.model.learner.state_dict()
     assert all(torch.equal(state[k], v) for k, v in ref["after"].items())
 
@@ -355,8 +351,9 @@ def test_train_py_base_to_new(tmp_path, dtd_root, clip_opts):
     run_train(["--optim-config-file", optim, *args(sam, *base)])
     log = open(osp.join(sam, "log.txt")).read()
     assert "Optimizer: sample(adamw)" in log and "reg_image" in log
-    eval_flags = ["--eval-only", "--model-dir", sam, "--load-epoch", "2"]
+    eval_flags = ["--eval-only", "--model-dir", sam]  # no --load-epoch, as MMRL's test script
     run_train([*eval_flags, *args(new, "DATASET.SUBSAMPLE_CLASSES", "new", "TASK", "B2N")])
     log = open(osp.join(new, "log.txt")).read()
     assert 'Loading weights to MultiModalRepresentationLearner from "' in log
+    assert "loading epoch 2, as MMRL does" in log
     assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100

@@ -17,6 +17,7 @@ from experiments.paper_results import (
     DOMAIN_GEN_TARGETS,
     OPTIMIZERS,
     PAPER_CSV,
+    PUBLISHED_ELSEWHERE,
     TRAINERS,
     load_paper_results,
     paper_value,
@@ -63,7 +64,11 @@ def test_paper_data_is_complete():
                 assert ("cross_dataset", trainer, optim, d, "acc") in data
             for d in ("imagenet", *DOMAIN_GEN_TARGETS, "average"):
                 assert ("domain_gen", trainer, optim, d, "acc") in data
-    assert len(data) == 12 * 25 * 3 + 10 * 12 + 10 * 6 + 4 * 3
+    others = {k for k in data if k[1] in PUBLISHED_ELSEWHERE}
+    assert len(data) - len(others) == 12 * 25 * 3 + 10 * 12 + 10 * 6 + 4 * 3
+    # MMRL's own paper: the base-to-new average, its HM that of its Base and New
+    base, new, hm = (data["base2new", "MMRL", "sgd", "average", m] for m in ("base", "new", "hm"))
+    assert len(others) == 3 and hm == 81.20 and round(2 * base * new / (base + new), 2) == hm
 
 
 def test_paper_data_is_self_consistent():

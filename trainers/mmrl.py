@@ -62,6 +62,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import os.path as osp
 from typing import NamedTuple
 
 import torch
@@ -416,6 +418,22 @@ class MMRL(TrainerX):
         summary = {"acc": compute_accuracy(fused, label)[0]}
         summary.update({k: v.detach() for k, v in terms.items()})
         return loss, summary
+
+    def load_model(self, directory, epoch=None):
+        """As the engine's, except that without ``epoch`` and without ``model-best.pth.tar``
+        the newest numbered checkpoint is loaded, as MMRL's own ``load_model`` does (its test
+        scripts pass ``--model-dir`` without ``--load-epoch``)."""
+        folder = osp.join(directory or "", self.model_name)
+        if epoch is None and directory and not osp.exists(osp.join(folder, "model-best.pth.tar")):
+            prefix = "model.pth.tar-"
+            names = os.listdir(folder) if osp.isdir(folder) else []
+            epochs = [int(n[len(prefix) :]) for n in names
+                      if n.startswith(prefix) and n[len(prefix) :].isdigit()]  # fmt: skip
+            if epochs:
+                epoch = max(epochs)
+                logger.info("No model-best.pth.tar in %s: loading epoch %d, as MMRL does", folder,
+                            epoch)  # fmt: skip
+        super().load_model(directory, epoch)
 
     # -- evaluation: decoupled inference ----------------------------------------------------
     def uses_fused_logits(self) -> bool:
