@@ -12,9 +12,9 @@ The CSV has one row per published number: ``table,trainer,optimizer,dataset,metr
   ``sample``; ``dataset``: config stems (``configs/datasets/<stem>.yaml``) or ``average``.
 
 Rows of trainers in :data:`PUBLISHED_ELSEWHERE` hold their own papers' numbers (the paper
-column of their tables). The SAMPLe paper's numbers were read from the LaTeX source in ``../shared/paper/`` by position (panel order,
-5 trainers x 5 rows each) and checked by hand and by ``tests/test_results.py``. Known
-inconsistencies of the paper itself, kept as printed:
+column of their tables). The SAMPLe paper's numbers were read from the LaTeX source in
+``../shared/paper/`` by position (panel order, 5 trainers x 5 rows each) and checked by hand
+and by ``tests/test_results.py``. Known inconsistencies of the paper itself, kept as printed:
 
 - The "Average" panel's HM of the +SAM/+FSAM/+SAGM/+SAMPLe rows of CoOp, CoCoOp, MaPLe and
   CoPrompt is the mean of the per-dataset HMs, while the baseline rows and TCP use the HM of the
