@@ -357,3 +357,22 @@ def test_train_py_base_to_new(tmp_path, dtd_root, clip_opts):
     assert 'Loading weights to MultiModalRepresentationLearner from "' in log
     assert "loading epoch 2, as MMRL does" in log
     assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100
+
+
+def test_tables_compare_with_the_published_average(tmp_path):
+    """MMRL's runs join the base-to-new tables with its paper's average (HM 81.20) beside them."""
+    from run_folders import fake_base2new
+
+    from experiments.paper_results import BASE2NEW_DATASETS
+    from experiments.protocols import Setup
+    from tools import make_tables
+
+    out = str(tmp_path / "output")
+    for d in BASE2NEW_DATASETS:
+        fake_base2new(Setup(output=out), "MMRL", "sgd", d, (1,), accuracy=lambda m, s: 80.0)
+    argv = ["--output", out, "--tables", "base2new", "--trainers", "MMRL", "--optims", "sgd"]
+    average = make_tables.build_tables(make_tables.build_parser().parse_args(argv))[0]
+    assert average.title == "Base-to-new: average over 11 datasets"
+    (row,) = average.rows
+    assert row[0] == "MMRL" and [c.paper for c in row[1:]] == [85.68, 77.16, 81.20]
+    assert [c.value for c in row[1:]] == pytest.approx([80.0, 80.0, 80.0])
