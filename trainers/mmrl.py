@@ -53,6 +53,12 @@ Differences from MMRL's code, all deliberate:
   fp32 rounding); class text features are computed once per evaluation;
 - with a pooling other than the class token (non-OpenAI open_clip ViTs) the class path pools
   the image tokens without the representation tokens.
+- the optimizers that read a pass's logits (ESAM's per-item losses, SAF, MESA) get the
+  class-token logits ``z`` (the pass's classification loss); the text-memory options
+  (``MODEL.TEXT_CHUNK``, ``CHECKPOINT_TEXT``, ``SHARED_PREFIX``) are refused: MMRL's text pass
+  runs its own loop over the blocks;
+- without ``--load-epoch`` and without ``model-best.pth.tar`` an evaluation loads the newest
+  numbered checkpoint, as MMRL's ``load_model`` does (the engine would ask for one).
 
 The differential test against MMRL's code is tests/test_mmrl.py (reference numbers from
 tests/reference/make_mmrl.py).
