@@ -34,7 +34,7 @@ S = REF.SETTINGS
 
 @pytest.fixture(scope="module")
 def ref():
-    return torch.load(REFERENCE, weights_only=False)
+    return torch.load(REFERENCE, weights_only=True)
 
 
 @pytest.fixture(scope="module")
