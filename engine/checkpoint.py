@@ -207,7 +207,7 @@ def latest_checkpoint(model_dir: str) -> str | None:
 # -- tensors of the original code bases -----------------------------------------------------------
 # buffers and frozen parts that original checkpoints hold and this project rebuilds (PromptSRC's
 # ZS_image_encoder: its frozen teacher inside the prompt learner)
-_IGNORED_SUFFIXES = ("token_prefix", "token_suffix", "tokenized_prompts")
+_IGNORED_SUFFIXES = ("token_prefix", "token_suffix", "tokenized_prompts", "prompt_embeddings")
 _IGNORED_PREFIXES = (
     "image_encoder.",
     "text_encoder.",
@@ -216,7 +216,12 @@ _IGNORED_PREFIXES = (
     "ZS_image_encoder.",
 )
 # renames of tensors of the original code bases (prefix -> prefix)
-_RENAMES = (("adapter_image.fc.", "image_adapter."), ("adapter_text.fc.", "text_adapter."))
+_RENAMES = (
+    ("adapter_image.fc.", "image_adapter."),
+    ("adapter_text.fc.", "text_adapter."),
+    ("representation_learner.", ""),  # MMRL's whole CustomCLIP: its learnable module and
+    ("image_encoder.proj_rep", "proj_rep"),  # the image tower's new projection
+)
 # IVLP's and PromptSRC's whole-model names (PromptSRC's code base, also the SAMPLe authors'
 # SAMPLeSRC): the first vision prompt on the image encoder, the deep prompts of block N >= 1 as
 # ``VPT_shallow`` parameters of the blocks themselves. Here: vpt, deep_vision.N-1, deep_text.N-1.

@@ -19,13 +19,12 @@ FOREIGN_NODES = {
         "MaPLe's code base (muzairkhattak/multimodal-prompt-learning: scripts/vpt/)",
         "the nearest is --trainer IVLP, deep prompts in both towers, configs/trainers/IVLP/",
     ),
-    "TRAINER.MMRL": (
-        "MMRL",
-        "MMRL's code base (yunncheng/MMRL: configs/trainers/MMRL/, trainers/mmrl.py)",
-        "the nearest are --trainer MaPLe or IVLP, prompts in both towers, "
-        "configs/trainers/MaPLe/ or IVLP/. MMRL is not a trainer here yet: its representation "
-        "tokens need MMRL's own clip/model_mmrl.py, which the compatibility clip package does "
-        "not provide; to ask for it, open an issue named 'MMRL trainer'",
+    "TRAINER.MMRLpp": (
+        "MMRL++",
+        "MMRL's code base (yunncheng/MMRL: configs/trainers/MMRLpp/, trainers/mmrlpp.py)",
+        "--trainer MMRL with configs/trainers/MMRL/, MMRL++'s predecessor (MMRL's own "
+        "representation tokens; MMRL++'s shared-residual aligner and progressive composition "
+        "are not here yet)",
     ),
     "TRAINER.PROMPTKD": (
         "PromptKD",
@@ -34,9 +33,6 @@ FOREIGN_NODES = {
     ),
 }
 
-
-FOREIGN_NODES["TRAINER.MMRLpp"] = ("MMRL++", *FOREIGN_NODES["TRAINER.MMRL"][1:])
-FOREIGN_NODES["TASK"] = ("MMRL", *FOREIGN_NODES["TRAINER.MMRL"][1:])
 
 # Keys of a neighbour's layout of a trainer that this project has (its trainer reads them):
 # key or node -> (neighbour, code base, the command that works here)
@@ -64,6 +60,12 @@ _PROGRAD = (
 )
 NEIGHBOUR_LAYOUTS = {
     "LOSS": _PROGRAD,  # ProGrad's (trainers/prograd.py reads them as TRAINER.PROGRAD.*)
+    "TASK": (
+        "MMRL's",
+        "MMRL's code base (yunncheng/MMRL), whose train.py declares it at the top level",
+        "--trainer MMRL, which reads TASK as TRAINER.MMRL.TASK (its own scripts and configs "
+        "run unchanged, docs/neighbours.md)",
+    ),
     "TRAINER.COOP.W": _KGCOOP_TCP,
     "TRAINER.COOP.ALPHA": _KGCOOP_TCP,
     "TRAINER.CoPrompt": _COPROMPT,

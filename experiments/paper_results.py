@@ -11,9 +11,9 @@ The CSV has one row per published number: ``table,trainer,optimizer,dataset,metr
   plain method row (whatever base optimizer the trainer uses), ``sam``, ``fsam``, ``sagm``,
   ``sample``; ``dataset``: config stems (``configs/datasets/<stem>.yaml``) or ``average``.
 
-The numbers were read from the LaTeX source in ``../shared/paper/`` by position (panel order,
-5 trainers x 5 rows each) and checked by hand and by ``tests/test_results.py``. Known
-inconsistencies of the paper itself, kept as printed:
+The SAMPLe paper's numbers were read from the LaTeX source in
+``../shared/paper/`` by position (panel order, 5 trainers x 5 rows each) and checked by hand
+and by ``tests/test_results.py``. Known inconsistencies of the paper itself, kept as printed:
 
 - The "Average" panel's HM of the +SAM/+FSAM/+SAGM/+SAMPLe rows of CoOp, CoCoOp, MaPLe and
   CoPrompt is the mean of the per-dataset HMs, while the baseline rows and TCP use the HM of the
@@ -29,10 +29,14 @@ inconsistencies of the paper itself, kept as printed:
 - TCP's ImageNet source accuracy is 71.40 in the cross-dataset table and 71.20 in the domain
   generalization table; CoCoOp+SAMPLe's is printed "71,03" (read as 71.03).
 
-Rows of trainers the SAMPLe paper does not have come from their own papers (the comparison
-column of their tables, :data:`OWN_PAPER_TRAINERS`): ProGrad's base-to-new Average (Zhu et al.,
-ICCV 2023, ViT-B/16, 16 shots; the ProGrad row of KgCoOp's table, htyao89/KgCoOp readme: Base
-82.48, New 70.75, HM 76.16), optimizer ``sgd``; its per-dataset numbers are not here.
+Trainers the SAMPLe paper does not have take their comparison column from their own papers:
+one CSV per source in ``experiments/published/`` (:func:`load_published_results`, read by
+:func:`paper_value` after this file), optimizer ``sgd`` for the published method row. They
+hold DePT's tables (``dept.csv``: base-to-new per dataset, cross-dataset, domain
+generalisation), ProGrad's base-to-new average (``prograd.csv``: Zhu et al., ICCV 2023,
+ViT-B/16, 16 shots, the ProGrad row of KgCoOp's table, htyao89/KgCoOp readme: Base 82.48, New
+70.75, HM 76.16), MMRL's (``mmrl.csv``: Guo and Gu, CVPR 2025, Table 1: Base 85.68, New 77.16,
+HM 81.20) and SkipTuning's (``skiptuning.csv``).
 
 The base-to-new "Average" cells among these are data too (:data:`AVERAGE_INCONSISTENCIES`, pinned
 by tests/test_repro.py against the CSV).
@@ -50,9 +54,7 @@ TABLES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 TRAINERS = ("CoOp", "CoCoOp", "MaPLe", "CoPrompt", "TCP")
 # trainers the paper has no numbers for (their tables have no paper column; tools/grid.py's
 # "extra" presets)
-EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC", "ProGrad")
-# trainers whose rows in paper_results.csv come from their own paper (module docstring)
-OWN_PAPER_TRAINERS = ("ProGrad",)
+EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC", "ProGrad", "MMRL")
 OPTIMIZERS = ("sgd", "sam", "fsam", "sagm", "sample")
 BASE2NEW_DATASETS = (
     "imagenet",

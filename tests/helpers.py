@@ -188,6 +188,8 @@ def tiny_options(trainer: str, tmp_path, depth: int) -> list[str]:
             opts += [full, str(depth)]
         elif key == "INJECT_LAYER":
             opts += [full, str(depth - 1)]
+        elif key == "REP_LAYERS":  # representation tokens (MMRL): every block of the towers
+            opts += [full, str(list(range(1, depth + 1)))]
         elif key == "DESCRIPTIONS_DIR":  # a teacher reading class descriptions, two views
             folder = tmp_path / "descriptions"
             folder.mkdir(exist_ok=True)

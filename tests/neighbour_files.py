@@ -510,7 +510,7 @@ def _download(url, root="~/.cache/clip"):
     raise RuntimeError("no download in the tests")
 """
 
-# MMRL's trainers/mmrl.py: TRAINER.MMRL keys (declared by MMRL's train.py, absent here)
+# MMRL's trainers/mmrl.py: its CLIP comes from MMRL's own clip package (build_model_MMRL)
 MMRL_PY = (
     _PROLOGUE.format(imports="from clip import clip")
     + """
@@ -519,7 +519,7 @@ MMRL_PY = (
 class MMRL(_Base):
     def build_model(self):
         cfg = self.cfg
-        self.n_rep_tokens = cfg.TRAINER.MMRL.N_REP_TOKENS
-        super().build_model()
+        details = {"model": "MMRL", "n_rep_tokens": cfg.TRAINER.MMRL.N_REP_TOKENS}
+        self.clip_model = clip.build_model_MMRL({}, details)
 """
 )

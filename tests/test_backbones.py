@@ -39,8 +39,9 @@ TRAINERS = sorted(
 
 def needs_vit(trainer: str) -> bool:
     from trainers.maple import MaPLe
+    from trainers.mmrl import MMRL  # representation tokens in the vision tower
 
-    return issubclass(TRAINER_REGISTRY.get(trainer), MaPLe)
+    return issubclass(TRAINER_REGISTRY.get(trainer), (MaPLe, MMRL))
 
 
 @pytest.fixture(scope="module")

@@ -105,10 +105,12 @@ def test_unknown_keys_name_their_neighbour_and_never_another_trainers_node(tmp_p
     msg = refused(["--trainer", "MaPLe", "--config-file", str(coprompt)])
     assert "'TRAINER.CoPrompt.N_CTX'" in msg and "CoPrompt's layout" in msg
     assert "ShuvenduRoy/CoPrompt" in msg and "--trainer CoPrompt" in msg and "TCP" not in msg
-    # MMRL's config: not a trainer here yet, said so, with the nearest and the way to ask
-    msg = refused(["--trainer", "MaPLe", "TRAINER.MMRL.N_REP_TOKENS", "5"])
-    assert "belongs to MMRL" in msg and "yunncheng/MMRL" in msg and "not a trainer here yet" in msg
-    assert "--trainer MaPLe or IVLP" in msg and "open an issue named 'MMRL trainer'" in msg
+    # MMRL's top-level TASK with another trainer: MMRL's layout, named with --trainer MMRL;
+    # MMRL++'s node: not a trainer here yet, the nearest named
+    msg = refused(["--trainer", "MaPLe", "TASK", "B2N"])
+    assert "MMRL's layout" in msg and "yunncheng/MMRL" in msg and "--trainer MMRL" in msg
+    msg = refused(["--trainer", "MaPLe", "TRAINER.MMRLpp.BETA", "0.9"])
+    assert "belongs to MMRL++" in msg and "--trainer MMRL with configs/trainers/MMRL/" in msg
     assert "do you mean" not in msg
     # ProGrad's keys name ProGrad's repository
     assert "BeierZhu/Prompt-align" in refused(["--trainer", "CoOp", "LOSS.LAMBDA", "1.0"])
@@ -258,7 +260,7 @@ def test_trainer_files_of_another_repository_load_refuse_and_fail_as_one_paragra
     # a file that fails while building: one paragraph, file, line, missing name, route
     for case, missing, route in (
         ("tcp", "KeyError: ''", "This project has its own TCP"),
-        ("mmrl", "AttributeError: MMRL", "open an issue named 'MMRL trainer'"),
+        ("mmrl", "build_model_MMRL", "This project has its own MMRL"),
     ):
         err = out[case]["err"]
         assert out[case]["code"] == 2 and "Traceback" not in err, err
@@ -268,7 +270,7 @@ def test_trainer_files_of_another_repository_load_refuse_and_fail_as_one_paragra
         assert len(error) == 1 and route in error[0]  # one paragraph
     assert f"{repo / 'trainers' / 'tcp.py'}:" in out["tcp"]["err"]
     assert "`url = clip._MODELS[backbone_name]`; the missing name is ''" in out["tcp"]["err"]
-    assert "`self.n_rep_tokens = cfg.TRAINER.MMRL.N_REP_TOKENS`" in out["mmrl"]["err"]
+    assert "`self.clip_model = clip.build_model_MMRL({}, details)`" in out["mmrl"]["err"]
 
 
 STEP_FAILS = """

@@ -8,6 +8,7 @@ from . import (  # noqa: F401
     ivlp,
     kgcoop,
     maple,
+    mmrl,
     prograd,
     promptsrc,
     sample_aliases,

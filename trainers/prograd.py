@@ -55,7 +55,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.clip import TextEncoder, encode_texts, load_clip, token_ids, tokenize
+from engine.clip import (
+    TextEncoder,
+    encode_texts,
+    keeps_full_length,
+    load_clip,
+    token_ids,
+    tokenize,
+)
 from engine.errors import ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.utils import compute_accuracy
@@ -194,7 +201,9 @@ class ProGradPromptLearner(PromptLearner):
         names = [name.replace("_", " ") for name in classnames]
         self.name_lens = [len(token_ids(name)) for name in names]
         prompts = [f"{prefix} {name}." for name in names]
-        tokens = register_class_prompts(self, embedding, prompts, n_ctx)  # [n_cls, L]
+        tokens = register_class_prompts(
+            self, embedding, prompts, n_ctx, keeps_full_length(clip_model)
+        )  # [n_cls, L]
         self.register_buffer(
             "order",
             self._token_order(n_ctx, class_token_position, tokens.shape[1]),
