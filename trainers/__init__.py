@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     maple,
     promptsrc,
     sample_aliases,
+    skiptuning,
     tcp,
     zsclip,
 )
