@@ -6,7 +6,8 @@ Usage (outside the test suite; writes tests/reference/skiptuning.pt)::
     python tests/reference/make_skiptuning.py /tmp/skip
 
 It builds the tiny deterministic CLIP of :data:`TINY` (engine/clip/toy.py ``write_tiny_clip``,
-fp32 weights rounded to fp16 values, :func:`half_representable`; widths of 64 so that OpenAI's ``build_model`` infers the heads as width // 64), loads its
+fp32 weights rounded to fp16 values, :func:`half_representable`; widths of 64 so that OpenAI's
+``build_model`` infers the heads as width // 64), loads its
 state dict into the AUTHORS' ``clip.build_model`` and their ``SkipCustomCLIP``
 (trainers/skip_tuning.py) for seven DTD class names, and records on fixed inputs: the frozen
 lower-block features of the images and class prompts, the class prototypes, the exponential
