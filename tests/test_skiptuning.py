@@ -22,6 +22,7 @@ from conftest import ROOT, make_cfg, run_train
 from engine import build_trainer
 from engine.clip.text import full_length_prompts
 from engine.clip.toy import TINY_OPTS, write_tiny_clip
+from engine.errors import ConfigError
 from trainers.skiptuning import (
     SkipInputs,
     feature_batches,
@@ -205,6 +206,15 @@ def test_a_step_keeps_its_class_choice_for_every_pass(trainer):
         tr._loss(sub)
     assert torch.equal(inputs.choice["classes"], classes)
     assert set(labels.tolist()) <= set(classes.tolist())
+
+
+def test_saf_refused_while_classes_are_skipped(ref, trainer):
+    """SAF's trajectory term needs logits over the same classes in every step."""
+    cfg = trainer.cfg.clone()
+    cfg.defrost()
+    cfg.OPTIM.SAM.NAME = "saf"
+    with pytest.raises(ConfigError, match="TOP_RATIO 1.0"):
+        build_trainer(cfg, classnames=ref["config"]["classnames"])
 
 
 @pytest.mark.slow
