@@ -40,6 +40,9 @@ import os.path as osp
 from functools import lru_cache
 
 PAPER_CSV = osp.join(osp.dirname(osp.abspath(__file__)), "paper_results.csv")
+# Numbers that trainers the SAMPLe paper does not cover published in their own papers (same
+# columns plus ``source``): the comparison column of their plain (``sgd``) rows
+PUBLISHED_CSV = osp.join(osp.dirname(osp.abspath(__file__)), "published_results.csv")
 
 TABLES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 TRAINERS = ("CoOp", "CoCoOp", "MaPLe", "CoPrompt", "TCP")
@@ -201,5 +204,6 @@ def paper_value(
 ) -> float | None:
     """One published number, or None where the paper has no such cell (any reproduction mode's
     row is compared with the published number)."""
-    optimizer = split_mode(optimizer)[0]
-    return load_paper_results().get((table, trainer, optimizer, dataset, metric))
+    key = (table, trainer, split_mode(optimizer)[0], dataset, metric)
+    value = load_paper_results().get(key)
+    return value if value is not None else load_paper_results(PUBLISHED_CSV).get(key)

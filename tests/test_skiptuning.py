@@ -240,3 +240,25 @@ def test_train_base_then_new_with_sample(tmp_path, dtd_root, deep_opts):
     run_train([*common, "--output-dir", test_dir, "--model-dir", train_dir, "--load-epoch", "2",
                "--eval-only", "DATASET.SUBSAMPLE_CLASSES", "new"])  # fmt: skip
     assert "accuracy" in open(osp.join(test_dir, "log.txt")).read()
+
+
+def test_authors_keys_epochs_and_published_number(tmp_path, deep_opts):
+    """The authors' OPTIM.NEW_LR / TRAINER.PREC keys are read as TRAINER.SKIP's; ImageNet,
+    SUN397 and Food101 train MAX_EPOCH / 4 epochs; the published HM is the comparison value."""
+    from experiments.paper_results import paper_value
+    from trainers.skiptuning import SkipTuning
+
+    config = "configs/trainers/SkipTuning/vit_b16_bs4.yaml"
+    opts = [*deep_opts, "OPTIM.NEW_LR", "7e-6", "TRAINER.PREC", "fp32"]
+    cfg = make_cfg(opts, trainer="SkipTuning", config_file=config)
+    assert cfg.TRAINER.SKIP.NEW_LR == 7e-6 and cfg.TRAINER.SKIP.PREC == "fp32"
+    assert cfg.OPTIM.STAGED_LR and cfg.OPTIM.LR == 2e-5 and cfg.OPTIM.MAX_EPOCH == 20
+    opts += ["TRAINER.SKIP.START_LAYER", "2"]
+    for dataset, epochs in (("imagenet", 5), ("dtd", 20)):
+        cfg = make_cfg(opts, "SkipTuning", f"configs/datasets/{dataset}.yaml", config)
+        tr = build_trainer(cfg, classnames=["a", "b", "c"])
+        assert tr.max_epoch == epochs == tr.cfg.OPTIM.MAX_EPOCH
+        lrs = [g["lr"] for g in tr.optim.param_groups]  # text 2e-5, image NEW_LR (warm-up 1e-6)
+        assert tr.optim.param_groups[1]["initial_lr"] == 7e-6 and len(lrs) == 2
+    assert SkipTuning.PROTOCOL_CFGS["base2new"] == "vit_b16_bs4"
+    assert paper_value("base2new", "SkipTuning", "sgd", "average", "hm") == 81.11
