@@ -434,6 +434,9 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             "device": self.device.type,
             "precision": self.prec,
             "batch_size": self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+            "trainable_params": sum(  # the cost table's column (experiments/cost_table.py)
+                p.numel() for m in self._models.values() for p in m.parameters() if p.requires_grad
+            ),
             **distributed.cost_meta(),  # data-parallel (#29): the number of processes
         }
 
