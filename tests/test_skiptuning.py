@@ -22,7 +22,7 @@ from conftest import ROOT, make_cfg, run_train
 from engine import build_trainer
 from engine.clip.text import full_length_prompts
 from engine.clip.toy import TINY_OPTS, write_tiny_clip
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from trainers.skiptuning import (
     SkipInputs,
     feature_batches,
@@ -262,3 +262,25 @@ def test_authors_keys_epochs_and_published_number(tmp_path, deep_opts):
         assert tr.optim.param_groups[1]["initial_lr"] == 7e-6 and len(lrs) == 2
     assert SkipTuning.PROTOCOL_CFGS["base2new"] == "vit_b16_bs4"
     assert paper_value("base2new", "SkipTuning", "sgd", "average", "hm") == 81.11
+
+
+def test_an_authors_checkpoint_loads(tmp_path, ref, trainer):
+    """The authors' checkpoints (both encoders whole, under learnable_params/) load: the tuned
+    tensors into the model, the frozen ones checked against this CLIP."""
+    tr = trainer
+    own = {k: v.detach().clone() for k, v in tr.model.learnable.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in tr.frozen_tensors().items()}
+    state |= {k: v + 0.5 for k, v in own.items()}  # "trained"
+    folder = tmp_path / "run" / "learnable_params"
+    folder.mkdir(parents=True)
+    torch.save({"state_dict": state, "epoch": 20}, folder / "model.pth.tar-20")
+    try:
+        tr.load_model(str(tmp_path / "run"), epoch=20)
+        for k, v in tr.model.learnable.state_dict().items():
+            assert torch.equal(v, own[k] + 0.5)
+        state["text_encoder.transformer.resblocks.0.ln_1.weight"] += 1.0  # another START_LAYER
+        torch.save({"state_dict": state, "epoch": 20}, folder / "model.pth.tar-20")
+        with pytest.raises(CheckpointError, match="START_LAYER"):
+            tr.load_model(str(tmp_path / "run"), epoch=20)
+    finally:
+        tr.model.learnable.load_state_dict(own)

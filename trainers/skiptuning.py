@@ -72,7 +72,7 @@ from engine.clip import BackboneError, clip_dtype, load_clip, require_vit, token
 from engine.clip.text import truncate_tokens
 from engine.clip.vision import PromptedVisionEncoder
 from engine.data.manager import DatasetWrapper, EpochSampler
-from engine.errors import ConfigError
+from engine.errors import CheckpointError, ConfigError
 from engine.registry import TRAINER_REGISTRY
 from engine.trainer import ModelOutput, TrainerX
 from engine.utils import compute_accuracy, epoch_seed
@@ -578,6 +578,49 @@ class SkipTuning(TrainerX):
         logits = model.logits(l2_normalize(image), l2_normalize(text))
         loss = self.classification_loss(logits, label)
         return loss, {"acc": compute_accuracy(logits, label)[0]}
+
+    # -- the authors' checkpoints ----------------------------------------------------------
+    def frozen_tensors(self) -> dict[str, torch.Tensor]:
+        """The frozen CLIP tensors under the names the authors' checkpoints give them (their
+        ``learnable_params`` held both encoders whole)."""
+        clip, visual, start = self.model.clip, self.model.image.visual, self.model.start
+        out = {
+            "text_encoder.token_embedding.weight": clip.token_embedding.weight,
+            "text_encoder.positional_embedding": clip.positional_embedding,
+            "image_encoder.conv1.weight": visual.conv1.weight,
+            "image_encoder.class_embedding": visual.class_embedding,
+            "image_encoder.positional_embedding": visual.positional_embedding,
+            "image_encoder.ln_pre.weight": visual.ln_pre.weight,
+            "image_encoder.ln_pre.bias": visual.ln_pre.bias,
+        }
+        for tower, blocks in (("text", clip.transformer.resblocks), ("image", visual.transformer)):
+            blocks = blocks if tower == "text" else blocks.resblocks
+            for i in range(start):
+                for k, v in blocks[i].state_dict().items():
+                    out[f"{tower}_encoder.transformer.resblocks.{i}.{k}"] = v
+        return out
+
+    def _load_module_state(self, name, checkpoint, path):
+        """An authors' checkpoint holds the frozen tensors too: they must equal this CLIP's
+        (else it was trained with another START_LAYER or CLIP) and are not loaded."""
+        state = checkpoint.get("state_dict", checkpoint)
+        own = self._models[name].state_dict()
+        frozen = self.frozen_tensors()
+        kept, differ = {}, []
+        for key, value in state.items():
+            bare = key[7:] if key.startswith("module.") else key
+            if bare in own or bare not in frozen:
+                kept[key] = value
+            elif not torch.equal(value.cpu(), frozen[bare].detach().to(value.dtype).cpu()):
+                differ.append(bare)
+        if differ:
+            raise CheckpointError(
+                f"{path} holds tensors of CLIP's frozen part that differ from this CLIP's "
+                f"({differ[:3]}{' ...' if len(differ) > 3 else ''}): it was trained with "
+                f"another TRAINER.SKIP.START_LAYER (this run: {self.model.start}) or CLIP "
+                "(MODEL.BACKBONE); evaluate it with the settings of the run that made it"
+            )
+        super()._load_module_state(name, {**checkpoint, "state_dict": kept}, path)
 
     # -- evaluation -----------------------------------------------------------------------
     def before_test(self):
