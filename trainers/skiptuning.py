@@ -69,6 +69,7 @@ import torch
 from torch import nn
 
 from engine.clip import BackboneError, clip_dtype, load_clip, require_vit, tokenize
+from engine.clip.model import BackboneRefused, backbone_label, vision_tower_kind
 from engine.clip.text import truncate_tokens
 from engine.clip.vision import PromptedVisionEncoder
 from engine.data.manager import DatasetWrapper, EpochSampler
@@ -79,6 +80,7 @@ from engine.utils import compute_accuracy, epoch_seed
 from optim import build_lr_scheduler, build_optimizer
 
 from .common import l2_normalize, load_init_weights
+from .maple import VIT_BACKBONES
 from .zsclip import DEFAULT_TEMPLATE
 
 logger = logging.getLogger(__name__)
@@ -380,6 +382,7 @@ class SkipTuning(TrainerX):
     }
 
     add_config = staticmethod(add_skiptuning_config)
+    NEEDS_VIT = True  # a ResNet backbone is refused before anything is loaded (check_cfg)
 
     @classmethod
     def translate_key(cls, key, value, source):
@@ -411,6 +414,14 @@ class SkipTuning(TrainerX):
         super().__init__(cfg, classnames=classnames)
 
     def check_cfg(self, cfg):
+        if vision_tower_kind(cfg) == "resnet":
+            raise BackboneRefused(
+                f"SkipTuning cannot use the backbone {backbone_label(cfg)}: its layer-wise "
+                "skipping needs a ViT image encoder (transformer blocks whose token sequence is "
+                "split at START_LAYER), and this backbone's image encoder is a ResNet "
+                f"(ModifiedResNet). Set MODEL.BACKBONE.NAME ViT-B/16 or another ViT: "
+                f"{VIT_BACKBONES}."
+            )
         c = cfg.TRAINER.SKIP
         if c.START_LAYER < 0:
             raise ConfigError(f"TRAINER.SKIP.START_LAYER must be >= 0, got {c.START_LAYER}")
