@@ -68,7 +68,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.clip import BackboneError, clip_dtype, load_clip, require_vit, tokenize
+from engine.clip import BackboneError, TextEncoder, clip_dtype, load_clip, require_vit, tokenize
 from engine.clip.model import BackboneRefused, backbone_label, vision_tower_kind
 from engine.clip.text import truncate_tokens
 from engine.clip.vision import PromptedVisionEncoder
@@ -247,6 +247,65 @@ class TunedImage(nn.Module):
         self.proj = visual.proj
 
 
+class SkipImageTower(PromptedVisionEncoder):
+    """CLIP's ViT split at block ``start``: :meth:`lower` (frozen: embedding, ``ln_pre``, the
+    first blocks) and ``forward`` (the tuned blocks, ``ln_post`` on the class token, ``proj``;
+    the part the engine compiles, engine/compile.py)."""
+
+    def __init__(self, clip_model, start: int):
+        super().__init__(clip_model)
+        self.start = start
+
+    def lower(self, images: torch.Tensor) -> torch.Tensor:
+        """``[batch, 3, H, W]`` -> ``[batch, tokens, width]``."""
+        x = self.embed(images)
+        for block in self.visual.transformer.resblocks[: self.start]:
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[batch, tokens, width]`` -> ``[batch, dim]``; the class token is the first
+        remaining token (the authors' token drop may have removed it)."""
+        x = x.float()
+        for block in self.visual.transformer.resblocks[self.start :]:
+            x = block(x)
+        pooled, _ = self.visual._pool(x)  # ln_post on the first token: [batch, width]
+        proj = self.visual.proj
+        return pooled if proj is None else pooled @ proj
+
+
+class SkipTextTower(TextEncoder):
+    """CLIP's text tower split at block ``start``: :meth:`lower` (frozen: token and positional
+    embedding, the first blocks) and ``forward(states, eot_idx)`` (the tuned blocks,
+    ``ln_final`` at the EOT, the projection), which runs through :class:`TextEncoder`'s chunks
+    and activation checkpoints (``MODEL.TEXT_CHUNK`` / ``CHECKPOINT_TEXT``); its prompts are
+    states, so ``MODEL.SHARED_PREFIX`` does not apply."""
+
+    def __init__(self, clip_model, start: int):
+        super().__init__(clip_model)
+        self.start = start
+        self.cast = clip_dtype(clip_model)  # the frozen part's dtype (fp16 in PREC fp16)
+
+    def lower(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[n, L]`` token ids -> ``[n, L, width]``."""
+        seq = tokens.shape[1]
+        dtype = self.cast
+        x = self.token_embedding(tokens).to(dtype) + self.positional_embedding[:seq].to(dtype)
+        mask = self.attn_mask[:seq, :seq]
+        for block in self.transformer.resblocks[: self.start]:
+            x = block(x, attn_mask=mask)
+        return x
+
+    def encode_rows(self, layer_hook, prompts, eot_idx, *row_args):
+        """The tuned part on one chunk of states ``[rows, L, width]`` -> ``[rows, dim]``."""
+        seq = prompts.shape[1]
+        x = prompts.float()
+        mask = self.attn_mask[:seq, :seq]
+        for block in self.transformer.resblocks[self.start :]:
+            x = block(x, attn_mask=mask)
+        return self.project(x[torch.arange(x.shape[0], device=x.device), eot_idx])
+
+
 class SkipInputs(NamedTuple):
     """A step's prepared inputs: the frozen image features ``[batch, tokens, width]`` (after
     the token drop), the labels, and ``choice`` (the step's kept classes, set by its first
@@ -289,8 +348,8 @@ class SkipTuningCLIP(nn.Module):
         self.start = start
         self.n_cls = len(classnames)
         self.dtype = clip_dtype(clip_model)
-        self.image = PromptedVisionEncoder(clip_model)
-        self.clip = clip_model  # the text tower's parts: token/positional embedding, blocks, mask
+        self.image = SkipImageTower(clip_model, start)
+        self.text = SkipTextTower(clip_model, start)
         self.logit_scale = clip_model.logit_scale
         text, image = TunedText(clip_model, start), TunedImage(visual, start)
         self.learnable = nn.ModuleDict({"text_encoder": text, "image_encoder": image})
@@ -318,42 +377,19 @@ class SkipTuningCLIP(nn.Module):
     # -- the two parts of each tower ------------------------------------------------------
     def image_lower(self, images: torch.Tensor) -> torch.Tensor:
         """Images ``[batch, 3, H, W]`` through the frozen part: ``[batch, tokens, width]``."""
-        x = self.image.embed(images)
-        for block in self.image.visual.transformer.resblocks[: self.start]:
-            x = block(x)
-        return x
+        return self.image.lower(images)
 
     def image_upper(self, x: torch.Tensor) -> torch.Tensor:
-        """Frozen features ``[batch, tokens, width]`` through the tuned part: ``[batch, dim]``
-        (not normalised); the class token is the first remaining token."""
-        x = x.float()
-        for block in self.learnable["image_encoder"].transformer.resblocks.values():
-            x = block(x)
-        pooled, _ = self.image.visual._pool(x)  # ln_post on the class token: [batch, width]
-        proj = self.image.visual.proj
-        return pooled if proj is None else pooled @ proj
+        """Frozen features through the tuned part: ``[batch, dim]`` (not normalised)."""
+        return self.image(x)
 
     def text_lower(self, tokens: torch.Tensor) -> torch.Tensor:
         """Prompt tokens ``[n, L]`` through the frozen part: ``[n, L, width]``."""
-        t = self.clip
-        seq = tokens.shape[1]
-        x = t.token_embedding(tokens).to(self.dtype) + t.positional_embedding[:seq].to(self.dtype)
-        mask = t.attn_mask[:seq, :seq]
-        for block in t.transformer.resblocks[: self.start]:
-            x = block(x, attn_mask=mask)
-        return x
+        return self.text.lower(tokens)
 
     def text_upper(self, x: torch.Tensor, eot_idx: torch.Tensor) -> torch.Tensor:
         """Frozen prompt states ``[n, L, width]`` through the tuned part: ``[n, dim]``."""
-        tuned = self.learnable["text_encoder"]
-        seq = x.shape[1]
-        x = x.float()
-        mask = self.clip.attn_mask[:seq, :seq]
-        for block in tuned.transformer.resblocks.values():
-            x = block(x, attn_mask=mask)
-        x = tuned.ln_final(x[torch.arange(x.shape[0], device=x.device), eot_idx])  # [n, width]
-        proj = tuned.text_projection
-        return proj(x) if isinstance(proj, nn.Module) else x @ proj
+        return self.text(x, eot_idx)
 
     # -- whole towers (evaluation) ----------------------------------------------------------
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
@@ -594,7 +630,7 @@ class SkipTuning(TrainerX):
     def frozen_tensors(self) -> dict[str, torch.Tensor]:
         """The frozen CLIP tensors under the names the authors' checkpoints give them (their
         ``learnable_params`` held both encoders whole)."""
-        clip, visual, start = self.model.clip, self.model.image.visual, self.model.start
+        clip, visual, start = self.model.text, self.model.image.visual, self.model.start
         out = {
             "text_encoder.token_embedding.weight": clip.token_embedding.weight,
             "text_encoder.positional_embedding": clip.positional_embedding,
