@@ -53,6 +53,8 @@ Differences from the authors' code, all deliberate:
   every pass of a step evaluates the same objective. SAF is refused while classes are skipped:
   its trajectory term compares an item's logits over the same classes across epochs, and a
   step's logits cover a per-step subset;
+- one process only (data-parallel runs are refused: the class choice ranks classes over the
+  whole batch);
 - checkpoints hold the tuned tensors only (the authors' held both encoders whole), under the
   authors' key names (``learnable_params/``: ``text_encoder.transformer.resblocks.<i>...``), so
   an authors' checkpoint loads for evaluation.
@@ -68,6 +70,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from engine import distributed
 from engine.clip import BackboneError, TextEncoder, clip_dtype, load_clip, require_vit, tokenize
 from engine.clip.model import BackboneRefused, backbone_label, vision_tower_kind
 from engine.clip.text import truncate_tokens
@@ -419,6 +422,7 @@ class SkipTuning(TrainerX):
 
     add_config = staticmethod(add_skiptuning_config)
     NEEDS_VIT = True  # a ResNet backbone is refused before anything is loaded (check_cfg)
+    DATA_PARALLEL = False  # one process: a step's class choice reads the whole batch
 
     @classmethod
     def translate_key(cls, key, value, source):
@@ -543,6 +547,16 @@ class SkipTuning(TrainerX):
 
     def epoch_batches(self):
         return self._batches
+
+    def before_train(self):
+        if distributed.world_size() > 1:
+            raise ConfigError(
+                "SkipTuning trains in one process: its epochs run over batches of precomputed "
+                "features and a step's class-wise skipping ranks the classes over the whole "
+                f"batch, which {distributed.world_size()} data-parallel processes would each "
+                "see a part of. Run train.py without torchrun / srun tasks (one GPU)"
+            )
+        super().before_train()
 
     def _extraction_loader(self):
         """The training images in order, with the training transforms, QUICK_BATCH_SIZE per
