@@ -46,9 +46,9 @@ PUBLISHED_CSV = osp.join(osp.dirname(osp.abspath(__file__)), "published_results.
 
 TABLES = ("base2new", "cross_dataset", "domain_gen", "ablation")
 TRAINERS = ("CoOp", "CoCoOp", "MaPLe", "CoPrompt", "TCP")
-# trainers the paper has no numbers for (their tables have no paper column; tools/grid.py's
-# "extra" presets)
-EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC")
+# trainers the paper has no numbers for (tools/grid.py's "extra" presets; their tables' paper
+# column holds what their own papers published, PUBLISHED_CSV, if anything)
+EXTRA_TRAINERS = ("KgCoOp", "IVLP", "PromptSRC", "SkipTuning")
 OPTIMIZERS = ("sgd", "sam", "fsam", "sagm", "sample")
 BASE2NEW_DATASETS = (
     "imagenet",
