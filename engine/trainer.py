@@ -434,6 +434,9 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             "device": self.device.type,
             "precision": self.prec,
             "batch_size": self.cfg.DATALOADER.TRAIN_X.BATCH_SIZE,
+            "trainable_params": sum(  # the cost table's column (experiments/cost_table.py)
+                p.numel() for m in self._models.values() for p in m.parameters() if p.requires_grad
+            ),
             **distributed.cost_meta(),  # data-parallel (#29): the number of processes
         }
 
@@ -571,18 +574,24 @@ class TrainerX(StepProtocol, SimpleTrainer):
         self.finite.check(params, self.max_epoch, self.num_batches)
 
     # -- the epoch --------------------------------------------------------------------------
+    def epoch_batches(self):
+        """The training batches of this epoch, a sized iterable (default: ``train_loader_x``;
+        SkipTuning's batches of precomputed features, trainers/skiptuning.py)."""
+        return self.train_loader_x
+
     def run_epoch(self):
         self.set_model_mode("train")
         losses = MetricMeter()
         batch_time = AverageMeter()
         data_time = AverageMeter()
-        self.num_batches = len(self.train_loader_x)
+        batches = self.epoch_batches()
+        self.num_batches = len(batches)
         print_freq = self.cfg.TRAIN.PRINT_FREQ
         cost = getattr(self, "cost", None)
         if cost is not None:
             cost.start_epoch(self.epoch)
         end = time.time()
-        for self.batch_idx, batch in enumerate(self.train_loader_x):  # noqa: B020
+        for self.batch_idx, batch in enumerate(batches):  # noqa: B020
             data_time.update(time.time() - end)
             phases.enter("first step")  # start-up phases: no-ops after the run's first step
             loss_summary = self.train_step(batch)

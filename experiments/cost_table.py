@@ -2,11 +2,11 @@
 (``tools/make_tables.py --cost``; always in the HTML report).
 
 Every training run records ``cost.json`` in its folder (:mod:`engine.cost`: training time, steps,
-mean step time, peak memory). A row averages the training runs of one trainer x optimizer over
-every dataset and seed of the tables; ``x SGD`` is the row's training time over its trainer's
-SGD row's on the runs both have (same protocol, dataset and seed), so a reader sees what a point
-of accuracy costs on the same data. Runs without ``cost.json`` (made before it existed, or that
-never trained) are left out and counted in the notes.
+mean step time, peak memory, trainable parameters). A row averages the training runs of one
+trainer x optimizer over every dataset and seed of the tables; ``x SGD`` is the row's training
+time over its trainer's SGD row's on the runs both have (same protocol, dataset and seed), so a
+reader sees what a point of accuracy costs on the same data. Runs without ``cost.json`` (made
+before it existed, or that never trained) are left out and counted in the notes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from experiments.paper_results import row_title
 from experiments.tables_model import Cell, Table
 
 COST_HEADERS = ["Method", "Time/run (s)", "x SGD", "Step (ms)", "Peak memory (MB)", "Runs"]
-COST_FORMATS = [".1f", ".2f", ".1f", ".0f", ".0f"]
+COST_HEADERS += ["Trainable params"]  # cost.json's trainable_params (runs that recorded it)
+COST_FORMATS = [".1f", ".2f", ".1f", ".0f", ".0f", ".0f"]
 SGD = "sgd"
 
 
@@ -82,6 +83,11 @@ def cost_table(folders: dict, kinds: dict, rows: list[tuple[str, str]]) -> Table
             ("all", "step_ms", _mean_cell(step_ms)),
             ("all", "peak_mb", _mean_cell([_peak_mb(c) for c in costs.values()])),
             ("all", "runs", Cell(float(len(costs)))),
+            (
+                "all",
+                "trainable_params",
+                _mean_cell([c.get("trainable_params") for c in costs.values()]),
+            ),
         ]
         table.add(label, *row, cells)
         if missing:

@@ -64,7 +64,8 @@ PRESETS = {
     "paper-base2new": (SubGrid(("base2new",), TRAINERS, OPTIMIZERS),),
     "paper-transfer": (SubGrid(_TRANSFER, TRAINERS, ("sgd", "sample")),),
     "paper-ablation": (SubGrid(("base2new",), ("CoPrompt",), ("sgd", "sam", "sagm", "sample")),),
-    # the paper's protocols for the trainers it has no numbers for (KgCoOp, IVLP, PromptSRC)
+    # the paper's protocols for the trainers it has no numbers for (KgCoOp, IVLP, PromptSRC,
+    # SkipTuning)
     "extra-base2new": (SubGrid(("base2new",), EXTRA_TRAINERS, OPTIMIZERS),),
     "extra-transfer": (SubGrid(_TRANSFER, EXTRA_TRAINERS, ("sgd", "sample")),),
     "sweep-rho": (

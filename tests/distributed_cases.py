@@ -132,7 +132,9 @@ def trainable() -> list[str]:
     return sorted(
         n
         for n, cls in ((n, TRAINER_REGISTRY.get(n)) for n in TRAINER_REGISTRY)
-        if not cls.EVAL_ONLY and not getattr(cls, "ALIAS_OF", "")
+        if not cls.EVAL_ONLY
+        and not getattr(cls, "ALIAS_OF", "")
+        and getattr(cls, "DATA_PARALLEL", True)  # SkipTuning: one process (it refuses more)
     )
 
 

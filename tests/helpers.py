@@ -190,6 +190,8 @@ def tiny_options(trainer: str, tmp_path, depth: int) -> list[str]:
             opts += [full, str(depth - 1)]
         elif key == "REP_LAYERS":  # representation tokens (MMRL): every block of the towers
             opts += [full, str(list(range(1, depth + 1)))]
+        elif key == "START_LAYER":  # SkipTuning: the frozen blocks before the tuned ones
+            opts += [full, str(depth // 2)]
         elif key == "DESCRIPTIONS_DIR":  # a teacher reading class descriptions, two views
             folder = tmp_path / "descriptions"
             folder.mkdir(exist_ok=True)

@@ -329,7 +329,7 @@ def test_cost_table_beside_the_accuracy(tmp_path, capsys):
             train, _ = base2new_dirs(setup, "dtd", "CoOp", comp, seed)
             cost = {"steps": 200, "train_time_s": times[optim, seed]}
             cost |= {"mean_step_s": times[optim, seed] / 200, "peak_cpu_rss_mb": 500.0 + seed}
-            cost["peak_cuda_mb"] = None
+            cost |= {"peak_cuda_mb": None, "trainable_params": 2048}
             with open(osp.join(train, "cost.json"), "w") as f:
                 json.dump(cost, f)
     argv = ["--output", out, "--trainers", "CoOp", "--optims", "sgd", "sample"]
@@ -341,8 +341,8 @@ def test_cost_table_beside_the_accuracy(tmp_path, capsys):
     tables = make_tables.build_tables(make_tables.build_parser().parse_args([*argv, "--cost"]))
     cost = next(t for t in tables if t.name == "cost")
     rows = {r[0]: [c.value for c in r[1:]] for r in cost.rows}
-    assert rows["CoOp"] == pytest.approx([110.0, 1.0, 550.0, 501.5, 2.0])
-    assert rows["CoOp+SAMPLe"] == pytest.approx([140.0, 280 / 220, 700.0, 501.5, 2.0])
+    assert rows["CoOp"] == pytest.approx([110.0, 1.0, 550.0, 501.5, 2.0, 2048.0])
+    assert rows["CoOp+SAMPLe"] == pytest.approx([140.0, 280 / 220, 700.0, 501.5, 2.0, 2048.0])
     assert any("1 training run(s) without cost.json" in n for n in cost.notes)
     assert "train_time_s" in printed and "time_over_sgd" in printed
     report = tmp_path / "report"

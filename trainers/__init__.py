@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     prograd,
     promptsrc,
     sample_aliases,
+    skiptuning,
     tcp,
     zsclip,
 )
