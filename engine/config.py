@@ -48,6 +48,11 @@ _C.INPUT.INTERPOLATION = "bilinear"  # resize interpolation: bilinear | bicubic 
 # train transform names, e.g. (random_resized_crop, random_flip, normalize); all names in
 # engine/data/transforms.py (randaugment: Dassl's RandAugment, randaugment_tv: torchvision's)
 _C.INPUT.TRANSFORMS = ()
+# Where the augmentation runs (engine/data/transforms.py, docs/performance.md#the-input-pipeline):
+# "tensor": torchvision's uint8 tensor kernels in the loader workers, which send uint8 images
+# that the device converts and normalises (resizes within a few grey levels of PIL's); "pil":
+# Dassl's PIL operations and normalisation in the workers, bit for bit (the "released" mode's)
+_C.INPUT.PIPELINE = "tensor"
 _C.INPUT.NO_TRANSFORM = False  # if True, images are only resized/converted (no augmentation)
 _C.INPUT.PIXEL_MEAN = [0.485, 0.456, 0.406]  # per-channel mean for "normalize"
 _C.INPUT.PIXEL_STD = [0.229, 0.224, 0.225]  # per-channel std for "normalize"
