@@ -62,13 +62,13 @@ class DeviceFinish:
 
     def images(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         """One uint8 batch ``[B, C, H, W]`` (or image ``[C, H, W]``) -> float32 on ``device``."""
-        x = to_float(x.to(device, non_blocking=True))
+        x = x.to(device, non_blocking=True).to(torch.float32).div_(255)  # to_float, in place
         if not self.normalize:
             return x
         mean, std = self._stats_on(x.device)
         if x.ndim == 3:
             mean, std = mean[0], std[0]
-        return x.sub(mean).div_(std)
+        return x.sub_(mean).div_(std)
 
     def __call__(self, batch, device: torch.device):
         """Finish every uint8 image tensor of a collated batch (a dict of the dataset wrapper's
