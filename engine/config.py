@@ -159,6 +159,11 @@ _C.MODEL.CHECKPOINT_TEXT = False  # recompute each text chunk's activations in t
 # only an optimizer's no-gradient look at the outputs (MESA, ESAM) shares the prefix. Runs the
 # text encoder eagerly, as the options above
 _C.MODEL.SHARED_PREFIX = False
+# "auto": the three keys above chosen at build for the model's class prompts and the free memory
+# (GPU or host): the fastest variant whose estimated text activations fit (engine/clip/
+# text_memory.py; docs/backbones.md). TEXT_CHUNK then sets the chunk size (0: 100); leave
+# CHECKPOINT_TEXT and SHARED_PREFIX False. "": the keys as set
+_C.MODEL.TEXT_MEMORY = ""
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.NAME = ""  # Dassl compatibility (unused by prompt learners)
 _C.MODEL.HEAD.HIDDEN_LAYERS = ()  # Dassl compatibility

@@ -28,6 +28,8 @@ import torch.utils.checkpoint
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
 
+from engine.errors import ConfigError
+
 
 @cache
 def _tokenizer() -> open_clip.SimpleTokenizer:
@@ -98,9 +100,28 @@ class TextOptions:
             )
 
 
-def text_options(cfg) -> TextOptions:
-    """The text encoders' options of ``cfg``, read once where the model is built."""
+def text_options(cfg, model: nn.Module | None = None, device=None) -> TextOptions:
+    """The text encoders' options of ``cfg``, read once where the model is built. With
+    ``MODEL.TEXT_MEMORY auto`` and the built ``model`` (on ``device``): the variant that
+    :mod:`engine.clip.text_memory` picks for its prompts and the free memory."""
     m = cfg.MODEL
+    mode = m.get("TEXT_MEMORY", "")
+    if mode not in ("", "auto"):
+        raise ConfigError(
+            f"MODEL.TEXT_MEMORY must be '' (the MODEL.TEXT_CHUNK / CHECKPOINT_TEXT / "
+            f"SHARED_PREFIX keys as set) or 'auto', got {mode!r}"
+        )
+    if mode == "auto":
+        if m.CHECKPOINT_TEXT or m.SHARED_PREFIX:
+            raise ConfigError(
+                "MODEL.TEXT_MEMORY auto chooses MODEL.CHECKPOINT_TEXT and MODEL.SHARED_PREFIX "
+                "itself: leave them False (MODEL.TEXT_CHUNK sets its chunk size), or set "
+                "MODEL.TEXT_MEMORY ''"
+            )
+        if model is not None:
+            from .text_memory import auto_options
+
+            return auto_options(cfg, model, device or torch.device("cpu"))
     return TextOptions(int(m.TEXT_CHUNK), bool(m.CHECKPOINT_TEXT), bool(m.SHARED_PREFIX))
 
 
