@@ -64,3 +64,26 @@ def test_the_grid_runs_what_it_chose(tmp_path, monkeypatch, capsys, flags, gpus,
     assert seen["in_process"] is packed
     out = capsys.readouterr().out
     assert ("Runs: packed" if packed else "Runs: a process per run") in out
+
+
+def test_a_packed_run_freezes_its_survivors(monkeypatch):
+    """engine.runner.run_packed: after a run, what survived it is frozen (the next teardown's
+    collection scans only the next run's objects); every UNFREEZE_EVERY runs it is unfrozen."""
+    import gc
+
+    from engine import runner
+
+    calls = []
+    monkeypatch.setattr(runner, "run_in_process", lambda argv: calls.append(argv) or 0)
+    try:
+        gc.unfreeze()
+        assert runner.run_packed(["--x"], 1) == 0 and gc.get_freeze_count() > 0
+        frozen = gc.get_freeze_count()
+        runner.run_packed(["--y"], runner.UNFREEZE_EVERY)  # unfrozen first, frozen again after
+        assert gc.get_freeze_count() <= frozen + 1000 and calls == [["--x"], ["--y"]]
+        gc.unfreeze()
+        monkeypatch.setattr(gc, "freeze", lambda: None)  # the unfreeze alone
+        runner.run_packed(["--z"], runner.UNFREEZE_EVERY)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
