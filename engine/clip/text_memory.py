@@ -146,7 +146,8 @@ def auto_options(cfg, model: torch.nn.Module, device: torch.device) -> TextOptio
     chunk = int(cfg.MODEL.TEXT_CHUNK) or DEFAULT_CHUNK
     plain = text_bytes(prompts, tokens, width, blocks, element)
     variant, why = choose(plain, prompts, free_memory(device), device.type, chunk)
-    logger.info(
+    log = logger.warning if "does not fit" in why else logger.info
+    log(
         "MODEL.TEXT_MEMORY auto: %s (%d prompts x %d tokens, width %d, %d blocks)",
         why,
         prompts,
