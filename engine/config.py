@@ -48,6 +48,11 @@ _C.INPUT.INTERPOLATION = "bilinear"  # resize interpolation: bilinear | bicubic 
 # train transform names, e.g. (random_resized_crop, random_flip, normalize); all names in
 # engine/data/transforms.py (randaugment: Dassl's RandAugment, randaugment_tv: torchvision's)
 _C.INPUT.TRANSFORMS = ()
+# Where the augmentation runs (engine/data/transforms.py, docs/performance.md#the-input-pipeline):
+# "tensor": torchvision's uint8 tensor kernels in the loader workers, which send uint8 images
+# that the device converts and normalises (resizes within a few grey levels of PIL's); "pil":
+# Dassl's PIL operations and normalisation in the workers, bit for bit (the "released" mode's)
+_C.INPUT.PIPELINE = "tensor"
 _C.INPUT.NO_TRANSFORM = False  # if True, images are only resized/converted (no augmentation)
 _C.INPUT.PIXEL_MEAN = [0.485, 0.456, 0.406]  # per-channel mean for "normalize"
 _C.INPUT.PIXEL_STD = [0.229, 0.224, 0.225]  # per-channel std for "normalize"
@@ -154,6 +159,11 @@ _C.MODEL.CHECKPOINT_TEXT = False  # recompute each text chunk's activations in t
 # only an optimizer's no-gradient look at the outputs (MESA, ESAM) shares the prefix. Runs the
 # text encoder eagerly, as the options above
 _C.MODEL.SHARED_PREFIX = False
+# "auto": the three keys above chosen at build for the model's class prompts and the free memory
+# (GPU or host): the fastest variant whose estimated text activations fit (engine/clip/
+# text_memory.py; docs/backbones.md). TEXT_CHUNK then sets the chunk size (0: 100); leave
+# CHECKPOINT_TEXT and SHARED_PREFIX False. "": the keys as set
+_C.MODEL.TEXT_MEMORY = ""
 # TEXT_FULL_LENGTH: class prompts and frozen texts keep all 77 tokens instead of being cut after
 # the longest EOT: the same features and steps, bit for bit, at the reference code bases' cost
 # (tools/benchmark.py's reference rows; read where the model is built, engine/clip/text.py)

@@ -275,7 +275,8 @@ class SimpleTrainer(EvaluationMixin, TrainerBase):
             from .clip.text import configure_text_encoders, text_options
 
             check_input_size(cfg, self.model)  # the CLIP image tower's size
-            configure_text_encoders(self.model, text_options(cfg))  # the MODEL.TEXT_* keys
+            # the MODEL.TEXT_* keys (TEXT_MEMORY auto: chosen for this model and free memory)
+            configure_text_encoders(self.model, text_options(cfg, self.model, self.device))
         if cfg.MODEL.COMPILE != AUTO:  # an explicit mode: evaluation-only runs compile too
             self.compile_model()
         self.optim_step = build_step(

@@ -197,3 +197,45 @@ def execute_chain(
         elif run_status(run) != "done":
             problem = f"{run.label}: train.py ended without a result line in {run.out_dir}"
         progress.done(run, problem, time.time() - t0)
+
+
+# -- packed workers by default on a GPU -------------------------------------------------------
+def gpu_count() -> int:
+    """The GPUs this process would use: 0 without importing torch when ``CUDA_VISIBLE_DEVICES``
+    hides them all or the machine shows no NVIDIA driver (neither ``/dev/nvidiactl`` nor
+    ``nvidia-smi``), else ``torch.cuda.device_count()``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return 0
+    import shutil
+
+    if not osp.exists("/dev/nvidiactl") and shutil.which("nvidia-smi") is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def choose_in_process(
+    in_process: bool | None, gpus: list[str] | None, nproc: int = 1, device_count=None
+) -> tuple[bool, str]:
+    """Whether the local grid packs each worker's runs into one long-lived process, and why.
+
+    ``in_process``: ``--in-process`` (True), ``--processes`` (False) or neither (None: the
+    default). The default packs on a GPU (``--gpus``, or a GPU visible to the grid,
+    ``device_count()``, :func:`gpu_count` unless given): imports, the CLIP checkpoint read, the
+    compiled graphs and the decoded images are then paid once per worker, not once per run.
+    Without a GPU every run stays a ``train.py`` process (the CPU default), and data-parallel
+    runs (``--gpus-per-run`` > 1) are always torchrun processes.
+    """
+    if in_process is not None:
+        how = "--in-process" if in_process else "--processes"
+        return in_process, f"{how} given"
+    if nproc > 1:
+        return False, "--gpus-per-run runs torchrun processes"
+    if gpus:
+        return True, f"the default with GPUs (--gpus: {','.join(gpus)}); --processes: one per run"
+    count = (device_count or gpu_count)()
+    if count > 0:
+        return True, f"the default on a GPU ({count} visible); --processes: one per run"
+    return False, "the default without a GPU; --in-process packs them"

@@ -10,7 +10,9 @@ The command line of two modules cut along their jobs:
 - :mod:`tools.benchmark_memory` (``--memory``): the peak memory of a training step per trainer at
   100 and 1,000 classes, plain and with the text-memory options;
 - :mod:`tools.benchmark_efficient` (``--efficient``): the step of the cheaper sharpness-aware
-  optimizers (LookSAM, SAMPLe-k, ESAM, RWP, m-RWP, SAF, MESA) relative to SGD.
+  optimizers (LookSAM, SAMPLe-k, ESAM, RWP, m-RWP, SAF, MESA) relative to SGD;
+- :mod:`experiments.benchmark_loader` (``--loader``): images/s per loader worker of the input
+  pipelines (``INPUT.PIPELINE`` pil and tensor) and their pixel difference.
 
 Usage::
 
@@ -20,6 +22,8 @@ Usage::
     python tools/benchmark.py --runs --json runs.json          # whole-run costs
     python tools/benchmark.py --memory --small --device cpu    # peak memory per trainer
     python tools/benchmark.py --efficient --small --json e.json  # LookSAM, ESAM, SAF, ... vs SGD
+    python tools/benchmark.py --loader --json loader.json     # INPUT.PIPELINE pil vs tensor
+    python tools/benchmark.py --packed-gap                     # a packed worker's gap between runs
 
 The public names of both modules are importable from here as before.
 """
@@ -285,6 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(EFFICIENT_TRAINERS),
         help="comma-separated (default CoOp,CoCoOp,MaPLe)",
     )
+    parser.add_argument(
+        "--loader",
+        action="store_true",
+        help="measure instead the training loader's input pipelines (INPUT.PIPELINE pil and "
+        "tensor) on 500x375 JPEGs: images/s per worker, the device's share, one worker process "
+        "end to end, and the pixel difference (experiments/benchmark_loader.py)",
+    )
+    parser.add_argument(
+        "--packed-gap",
+        action="store_true",
+        help="measure instead the time from one run's end to the next run's first step in a "
+        "packed worker, with 0 and 4 loader workers (experiments/benchmark_packed.py)",
+    )
     runs = parser.add_argument_group("whole runs (--runs)")
     runs.add_argument(
         "--runs",
@@ -312,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.packed_gap:  # as a grid worker runs: torch's default threads
+        from experiments.benchmark_packed import packed_gaps, print_packed_gaps
+
+        result = packed_gaps(args.device, runs=args.packed_runs)
+        print_packed_gaps(result)
+        if args.json:
+            write_json(args.json, result)
+        return 0
     if args.runs:  # torch's default threads and no log handler of its own, as train.py runs
         result = run_costs(args)
         print_run_costs(result)
@@ -335,6 +360,14 @@ def main(argv=None) -> int:
             print(f"FAILED measurements (tracebacks above): {', '.join(failed)}", file=sys.stderr)
         return 1 if failed else 0
     t0 = time.perf_counter()
+    if args.loader:
+        from experiments.benchmark_loader import loader_report, print_loader_report
+
+        result = loader_report(args)
+        print_loader_report(result)
+        if args.json:
+            write_json(args.json, result)
+        return 0
     if args.efficient:
         result = efficient_costs(args)
         print_efficient_costs(result)

@@ -12,9 +12,12 @@ A grid is trainers x optimizers x datasets x seeds x protocols (``base2new``,
 
 ``--per-gpu N`` packs N workers onto each GPU (after a free-memory check, ``--worker-mem-gb``);
 ``--workers N`` runs N workers without GPUs. ``--in-process``: each worker is one long-lived
-process that runs its chains' runs in-process (``engine/runner.py``: imports and the CLIP
-checkpoint read paid once; folders, logs and numbers as with one train.py process per run);
-without it every run is its own train.py process.
+process that runs its chains' runs in-process (``engine/runner.py``: imports, the CLIP
+checkpoint read and the compiled graphs paid once; folders, logs and numbers as with one train.py
+process per run); ``--processes``: every run is its own train.py process. Without either, a grid
+that runs on a GPU (``--gpus``, or a GPU visible to it) packs its runs and a grid without one
+runs a process per run (``experiments/grid_exec.py``: ``choose_in_process``); data-parallel runs
+(``--gpus-per-run``) are always processes. The grid prints its choice (``Runs: ...``).
 
 Finished runs (a result line in their log) are skipped; a run folder without a result is
 re-run into the same folder, where train.py resumes from the last checkpoint. A run whose folder
@@ -74,6 +77,7 @@ from experiments.grid_exec import (  # noqa: E402
     ChainClaim,
     GridError,
     Progress,
+    choose_in_process,
     execute_chain,
     held_runs,
 )
@@ -427,11 +431,21 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("execution")
     run.add_argument("--gpus", help="one worker per GPU: ids (0,1,2,3) or auto")
     run.add_argument("--quiet", action="store_true", help="train.py output to console.txt")
-    run.add_argument(
+    packing = run.add_mutually_exclusive_group()
+    packing.add_argument(
         "--in-process",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=None,
         help="each worker runs its runs in one long-lived process (imports and the CLIP "
-        "checkpoint read paid once; same folders, logs and numbers)",
+        "checkpoint read paid once; same folders, logs and numbers). The default on a GPU",
+    )
+    packing.add_argument(
+        "--processes",
+        dest="in_process",
+        action="store_const",
+        const=False,
+        help="every run its own train.py process (the default without a GPU)",
     )
     run.add_argument(
         "--per-gpu", type=int, default=1, help="workers per GPU (with --gpus; memory checked)"
@@ -528,10 +542,11 @@ def main(argv: list[str] | None = None) -> int:
             check_gpu_memory(gpus, args.per_gpu, args.worker_mem_gb)
         slots = len(gpus) * args.per_gpu if gpus else args.workers
         stream = not args.quiet and slots == 1
+        in_process, why = choose_in_process(args.in_process, gpus, nproc)
+        kind = "packed: one long-lived process per worker" if in_process else "a process per run"
+        print(f"Runs: {kind} ({why})", flush=True)
         started = time.perf_counter()
-        failed = run_local(
-            todo, setup, gpus, stream, args.per_gpu, args.in_process, args.workers, nproc
-        )
+        failed = run_local(todo, setup, gpus, stream, args.per_gpu, in_process, args.workers, nproc)
         report_actual(plan, todo, time.perf_counter() - started)  # the estimate against the actual
     except (GridError, ProtocolError) as e:
         print(f"Error: {e}", file=sys.stderr)

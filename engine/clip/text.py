@@ -17,6 +17,7 @@ every trainer's outputs are identical either way). No state outside the model is
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from open_clip.transformer import ResidualAttentionBlock
 from torch import nn
+
+from engine.errors import ConfigError
 
 from .model import FULL_LENGTH_ATTR
 
@@ -97,9 +100,29 @@ class TextOptions:
             )
 
 
-def text_options(cfg) -> TextOptions:
-    """The text encoders' options of ``cfg``, read once where the model is built."""
+def text_options(cfg, model: nn.Module | None = None, device=None) -> TextOptions:
+    """The text encoders' options of ``cfg``, read once where the model is built. With
+    ``MODEL.TEXT_MEMORY auto`` and the built ``model`` (on ``device``): the variant that
+    :mod:`engine.clip.text_memory` picks for its prompts and the free memory."""
     m = cfg.MODEL
+    mode = m.get("TEXT_MEMORY", "")
+    if mode not in ("", "auto"):
+        raise ConfigError(
+            f"MODEL.TEXT_MEMORY must be '' (the MODEL.TEXT_CHUNK / CHECKPOINT_TEXT / "
+            f"SHARED_PREFIX keys as set) or 'auto', got {mode!r}"
+        )
+    if mode == "auto":
+        if m.CHECKPOINT_TEXT or m.SHARED_PREFIX:
+            raise ConfigError(
+                "MODEL.TEXT_MEMORY auto chooses MODEL.CHECKPOINT_TEXT and MODEL.SHARED_PREFIX "
+                "itself: leave them False (MODEL.TEXT_CHUNK sets its chunk size), or set "
+                "MODEL.TEXT_MEMORY ''"
+            )
+        if model is not None:
+            from .text_memory import auto_options
+
+            chosen = auto_options(cfg, model, device or torch.device("cpu"))
+            return dataclasses.replace(chosen, full_length=bool(m.TEXT_FULL_LENGTH))
     return TextOptions(
         int(m.TEXT_CHUNK),
         bool(m.CHECKPOINT_TEXT),

@@ -21,6 +21,7 @@ from engine.errors import ConfigError
 from engine.registry import DATASET_REGISTRY
 from engine.utils import epoch_seed
 
+from .device_finish import FinishingLoader, device_finish_of, loader_device
 from .distributed import sharded_batches
 from .image_check import ImageReadError, describe, find_unreadable, handle_unreadable
 from .transforms import build_transform
@@ -201,7 +202,9 @@ def build_data_loader(
     num_workers = cfg.DATALOADER.NUM_WORKERS
     drop_last = is_train and cfg.DATALOADER.TRAIN_X.DROP_LAST and len(data_source) >= batch_size
     shards = sharded_batches(sampler, batch_size, drop_last, is_train)  # data-parallel (#29)
-    loader = DataLoader(
+    finish = device_finish_of(tfm)  # INPUT.PIPELINE tensor: uint8 batches finished on the device
+    extra = {"finish": finish, "device": loader_device(cfg)} if finish is not None else {}
+    loader = (FinishingLoader if finish is not None else DataLoader)(
         wrapper,
         batch_size=batch_size if shards is None else 1,
         sampler=sampler if shards is None else None,
@@ -210,6 +213,7 @@ def build_data_loader(
         drop_last=drop_last if shards is None else False,
         pin_memory=torch.cuda.is_available() and cfg.USE_CUDA,
         persistent_workers=num_workers > 0 and is_train,
+        **extra,
     )
     if loader.persistent_workers:
         _PERSISTENT_LOADERS.add(loader)
@@ -241,8 +245,8 @@ class DataManager:
             raise ValueError(f"Dataset {cfg.DATASET.NAME} has no images")
         self.check_eval_images(dataset)
         self._train_images_checked = False
-        tfm_train = custom_tfm_train or build_transform(cfg, is_train=True)
-        tfm_test = custom_tfm_test or build_transform(cfg, is_train=False)
+        tfm_train = custom_tfm_train or build_transform(cfg, is_train=True, on_device=True)
+        tfm_test = custom_tfm_test or build_transform(cfg, is_train=False, on_device=True)
         self.tfm_train, self.tfm_test = tfm_train, tfm_test
 
         self.train_loader_x = None

@@ -10,17 +10,30 @@ Test: resize the short side to max(INPUT.SIZE), center crop INPUT.SIZE, to float
 ``randaugment_tv`` is torchvision's RandAugment with the same N and M (a different operation set).
 ``randaugment_fixmatch`` and ``randaugment2`` are torchvision approximations of Dassl's variants.
 
-Training pipelines start by converting the image to a uint8 tensor, so a PIL image read from
-disk and a decoded image kept in memory (``DATALOADER.CACHE_DECODED``) go through exactly the
-same operations and give the same augmentation distribution.
+Two implementations of these operations (``INPUT.PIPELINE``; both draw the same random numbers
+in the same order, so the same seed gives the same crops and flips):
+
+- ``pil`` (Dassl's, the ``released`` reproduction's): the operations run on PIL images (a
+  decoded image kept in memory, ``DATALOADER.CACHE_DECODED``, is turned back into one), then
+  ``ToTensor``'s division by 255 and the normalisation, in the loader worker. Bit for bit what
+  Dassl's torchvision pipeline gives.
+- ``tensor`` (the default): the operations run on uint8 tensors (torchvision's tensor kernels,
+  ``antialias=True``) and, when the float stage is only "normalize", the worker sends the uint8
+  image: the loader converts and normalises whole batches on the device
+  (:mod:`engine.data.device_finish`). Its resizes differ from PIL's by a few grey levels on a
+  few percent of the pixels (bicubic; bilinear by at most one level): docs/performance.md has
+  the measured difference and its effect on accuracy. Test pipelines are the same in both
+  (PIL's resize and crop); with ``tensor`` they also send uint8.
 """
 
 from __future__ import annotations
 
 import torch
 import torchvision.transforms.v2 as T
+from PIL import Image
 from torchvision.transforms.v2 import InterpolationMode
 
+from .device_finish import DeviceFinish, ToFloat
 from .randaugment import RandAugment as DasslRandAugment
 
 INTERPOLATION_MODES = {
@@ -28,6 +41,13 @@ INTERPOLATION_MODES = {
     "bicubic": InterpolationMode.BICUBIC,
     "nearest": InterpolationMode.NEAREST,
 }
+
+# INPUT.PIPELINE values (see the module's docstring)
+PIPELINES = ("pil", "tensor")
+
+# float-stage transforms that a worker must run itself (random, or per image); without them the
+# tensor pipeline's worker sends uint8 and the device normalises
+_WORKER_FLOAT_OPS = ("cutout", "gaussian_noise", "instance_norm")
 
 AVAILABLE_TRANSFORMS = (
     "random_flip",
@@ -110,6 +130,26 @@ class Random2DTranslation(torch.nn.Module):
         return T.functional.crop(img, y, x, self.height, self.width)
 
 
+class ToPILImage(torch.nn.Module):
+    """A PIL image, or a decoded uint8 ``[C, H, W]`` tensor (the decoded-image cache), as a PIL
+    image (RGB or L): the ``pil`` pipeline's first step."""
+
+    def forward(self, img):
+        if isinstance(img, Image.Image):
+            return img
+        array = img.permute(1, 2, 0).numpy()
+        return Image.fromarray(array[..., 0] if array.shape[2] == 1 else array)
+
+
+class UInt8Pipeline(T.Compose):
+    """The ``tensor`` pipeline's transforms when they end at uint8: its loader finishes the
+    batches on the device with :attr:`device_finish`."""
+
+    def __init__(self, transforms, device_finish: DeviceFinish):
+        super().__init__(transforms)
+        self.device_finish = device_finish
+
+
 def _check_choices(choices) -> None:
     for choice in choices:
         if choice not in AVAILABLE_TRANSFORMS:
@@ -119,18 +159,34 @@ def _check_choices(choices) -> None:
             )
 
 
-def build_transform(cfg, is_train: bool = True, choices=None):
+def pipeline_of(cfg) -> str:
+    """``cfg.INPUT.PIPELINE``, checked: one of :data:`PIPELINES`."""
+    pipeline = cfg.INPUT.get("PIPELINE", "pil")
+    if pipeline not in PIPELINES:
+        raise ValueError(
+            f"INPUT.PIPELINE must be one of {', '.join(PIPELINES)}, got {pipeline!r} (pil: "
+            "Dassl's PIL operations, exact; tensor: uint8 tensors normalised on the device)"
+        )
+    return pipeline
+
+
+def build_transform(cfg, is_train: bool = True, choices=None, on_device: bool = False):
     """Build the train or test transform from ``cfg.INPUT`` (Dassl's ``build_transform``).
 
     Args:
         cfg: the config.
         is_train: train (augmentation) or test pipeline.
         choices: transform names (default ``cfg.INPUT.TRANSFORMS``).
+        on_device: with ``INPUT.PIPELINE tensor``, let the transform end at uint8 when the rest
+            is the normalisation (a :class:`UInt8Pipeline`, whose loader finishes the batches on
+            the device: what the DataManager builds). False (the default, Dassl's contract):
+            float images, normalised in the transform.
     """
     if cfg.INPUT.NO_TRANSFORM:
         return T.Compose([T.ToImage(), T.ToDtype(torch.float32, scale=True)])
     choices = list(cfg.INPUT.TRANSFORMS if choices is None else choices)
     _check_choices(choices)
+    pipeline = pipeline_of(cfg)
     if cfg.INPUT.INTERPOLATION not in INTERPOLATION_MODES:
         raise ValueError(
             f"INPUT.INTERPOLATION must be one of {sorted(INTERPOLATION_MODES)}, "
@@ -138,15 +194,38 @@ def build_transform(cfg, is_train: bool = True, choices=None):
         )
     normalize = T.Normalize(mean=list(cfg.INPUT.PIXEL_MEAN), std=list(cfg.INPUT.PIXEL_STD))
     if is_train:
-        return _build_transform_train(cfg, choices, normalize)
-    return _build_transform_test(cfg, choices, normalize)
+        tfm = _build_transform_train(cfg, choices, pipeline)
+    else:
+        tfm = _build_transform_test(cfg)
+    worker_ops = _WORKER_FLOAT_OPS if is_train else ("instance_norm",)
+    if pipeline == "tensor" and on_device and not set(worker_ops) & set(choices):
+        finish = DeviceFinish(cfg.INPUT.PIXEL_MEAN, cfg.INPUT.PIXEL_STD, "normalize" in choices)
+        return UInt8Pipeline(tfm, finish)
+    return T.Compose(tfm + _float_stage(cfg, choices, normalize, is_train))
 
 
-def _build_transform_train(cfg, choices, normalize):
+def _float_stage(cfg, choices, normalize, is_train: bool) -> list:
+    """uint8 -> float (Dassl's ToTensor arithmetic), then the float transforms, in a worker."""
+    inp = cfg.INPUT
+    tfm = [ToFloat()]
+    if is_train and "cutout" in choices:
+        tfm.append(Cutout(inp.CUTOUT_N, inp.CUTOUT_LEN))
+    if "normalize" in choices:
+        tfm.append(normalize)
+    if is_train and "gaussian_noise" in choices:
+        tfm.append(GaussianNoise(inp.GN_MEAN, inp.GN_STD))
+    if "instance_norm" in choices:
+        tfm.append(InstanceNormalization())
+    return tfm
+
+
+def _build_transform_train(cfg, choices, pipeline: str) -> list:
+    """The training transforms up to the uint8 image (a tensor; PIL operations with ``pil``)."""
     inp = cfg.INPUT
     interp = INTERPOLATION_MODES[inp.INTERPOLATION]
     input_size = list(inp.SIZE)
-    tfm = [T.ToImage()]  # PIL image or cached uint8 tensor -> uint8 tensor
+    # a PIL image or a cached uint8 tensor -> what the pipeline's operations take
+    tfm = [ToPILImage()] if pipeline == "pil" else [T.ToImage()]
     if "random_crop" not in choices and "random_resized_crop" not in choices:
         tfm.append(T.Resize(input_size, interpolation=interp, antialias=True))
     if "random_translation" in choices:
@@ -192,30 +271,20 @@ def _build_transform_train(cfg, choices, normalize):
         tfm.append(T.RandomGrayscale(p=inp.RGS_P))
     if "gaussian_blur" in choices:
         tfm.append(T.RandomApply([T.GaussianBlur(inp.GB_K)], p=inp.GB_P))
-    tfm.append(T.ToDtype(torch.float32, scale=True))
-    if "cutout" in choices:
-        tfm.append(Cutout(inp.CUTOUT_N, inp.CUTOUT_LEN))
-    if "normalize" in choices:
-        tfm.append(normalize)
-    if "gaussian_noise" in choices:
-        tfm.append(GaussianNoise(inp.GN_MEAN, inp.GN_STD))
-    if "instance_norm" in choices:
-        tfm.append(InstanceNormalization())
-    return T.Compose(tfm)
+    tfm += [T.ToImage(), T.ToPureTensor()]  # PIL (or uint8 tensor) -> a plain uint8 tensor
+    return tfm
 
 
-def _build_transform_test(cfg, choices, normalize):
+def _build_transform_test(cfg) -> list:
+    """Resize the short side, centre crop (PIL's operations on a PIL image, also for a decoded
+    uint8 image: RETURN_IMG0's), to a plain uint8 tensor."""
     inp = cfg.INPUT
     interp = INTERPOLATION_MODES[inp.INTERPOLATION]
     input_size = list(inp.SIZE)
-    tfm = [
+    return [
+        ToPILImage(),
         T.Resize(max(input_size), interpolation=interp, antialias=True),
         T.CenterCrop(input_size),
         T.ToImage(),
-        T.ToDtype(torch.float32, scale=True),
+        T.ToPureTensor(),
     ]
-    if "normalize" in choices:
-        tfm.append(normalize)
-    if "instance_norm" in choices:
-        tfm.append(InstanceNormalization())
-    return T.Compose(tfm)

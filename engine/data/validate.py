@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 SAMPLERS = ("RandomSampler", "SequentialSampler")
 SUBSAMPLES = ("all", "base", "new")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+PIPELINES = ("pil", "tensor")  # INPUT.PIPELINE (engine/data/transforms.py)
 
 
 def is_template(text: str) -> bool:
@@ -76,6 +77,14 @@ def _problems(cfg) -> list[str]:
         "INPUT.INTERPOLATION",
         inp.INTERPOLATION,
         f"one of {INTERPOLATIONS}",
+    )
+    pipeline = inp.get("PIPELINE", "pil")
+    need(
+        pipeline in PIPELINES,
+        "INPUT.PIPELINE",
+        pipeline,
+        f"one of {PIPELINES} (pil: Dassl's PIL operations, exact; tensor: uint8 tensors "
+        "normalised on the device)",
     )
     need(len(inp.PIXEL_MEAN) == 3, "INPUT.PIXEL_MEAN", inp.PIXEL_MEAN, "3 values (R, G, B)")
     need(

@@ -1,0 +1,229 @@
+"""The training loader's input pipelines (``INPUT.PIPELINE``): images per second per loader worker
+and the pixel difference of ``tensor`` from Dassl's ``pil`` (``tools/benchmark.py --loader``).
+
+A worker's share of the work is timed in this process, as a worker runs it: for every batch of an
+epoch the dataset items (read or take the decoded image, augment, and for ``pil`` convert and
+normalise) and their collation. The device's share of the ``tensor`` pipeline (copy, float,
+normalise a whole batch; :mod:`engine.data.device_finish`) is timed apart, on ``--device``.
+The end-to-end row runs a real ``DataLoader`` with one worker process and finishes its batches
+on the device: what the training loop receives. The JPEGs are 500x375 (an ImageNet-sized photo),
+the transforms CoOp's (random resized crop, bicubic, to 224x224; flip; normalise).
+"""
+
+from __future__ import annotations
+
+import logging
+import os.path as osp
+import tempfile
+from types import SimpleNamespace
+
+import torch
+
+logger = logging.getLogger("benchmark")
+
+PIPELINES = ("pil", "tensor")
+TRANSFORMS = ["random_resized_crop", "random_flip", "normalize"]  # CoOp's (configs/trainers)
+
+
+def _cfg(root: str, out: str, pipeline: str, cached: bool, workers: int, device: str, *extra):
+    from experiments.benchmark_steps import data_cfg
+
+    s = SimpleNamespace(
+        model_opts=[], device=device, loader_per_class=16, workers=workers, small=False
+    )
+    opts = ["INPUT.PIPELINE", pipeline, "DATALOADER.CACHE_DECODED", str(cached), *extra]
+    return data_cfg(s, root, out, *opts)
+
+
+def worker_epoch(loader, epoch: list[int]):
+    """One epoch of what the loader's workers do (items and collation), in this process."""
+    wrapper, collate, size = loader.dataset, loader.collate_fn, loader.batch_size
+
+    def run():
+        epoch[0] += 1
+        loader.sampler.set_epoch(epoch[0])
+        keys = list(loader.sampler)
+        for i in range(0, len(keys), size):
+            collate([wrapper[k] for k in keys[i : i + size]])
+
+    return run
+
+
+def loader_epoch(loader, epoch: list[int], device: str):
+    """One epoch through the real loader (worker processes, the device finish), synchronised."""
+
+    def run():
+        epoch[0] += 1
+        loader.sampler.set_epoch(epoch[0])
+        for _ in loader:
+            pass
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return run
+
+
+def pixel_difference(paths: list[str], interpolation: str, crops: int = 32) -> dict:
+    """Grey-level difference of the tensor pipeline's crops from the pil pipeline's (same
+    seeds, ``crops`` per image): the maximum, the mean, and the fractions of values off by > 0
+    and > 1 level."""
+    from engine.config import get_cfg_default
+    from engine.data import build_transform, read_image
+
+    cfg = get_cfg_default()
+    cfg.INPUT.INTERPOLATION = interpolation
+    cfg.INPUT.TRANSFORMS = ["random_resized_crop", "random_flip"]
+    cfg.INPUT.PIPELINE = "pil"
+    pil = build_transform(cfg, True)
+    cfg.INPUT.PIPELINE = "tensor"
+    tensor = build_transform(cfg, True, on_device=True)
+    values = total = off = off1 = 0
+    worst = 0.0
+    for path in paths:
+        img = read_image(path)
+        for seed in range(crops):
+            torch.manual_seed(seed)
+            ref = pil(img).mul(255).round().to(torch.int16)
+            torch.manual_seed(seed)
+            d = (tensor(img).to(torch.int16) - ref).abs()
+            values += d.numel()
+            total += int(d.sum())
+            off += int((d > 0).sum())
+            off1 += int((d > 1).sum())
+            worst = max(worst, float(d.max()))
+    return {
+        "interpolation": interpolation,
+        "crops": crops * len(paths),
+        "values": values,
+        "max_levels": worst,
+        "mean_levels": round(total / values, 4),
+        "fraction_off": round(off / values, 5),
+        "fraction_off_by_more_than_1": round(off1 / values, 6),
+    }
+
+
+def noisy_jpegs(folder: str, n: int) -> list[str]:
+    """``n`` 500x375 JPEGs of a colour field under heavy pixel noise (std 60 grey levels): the
+    high-frequency content where the resizes of PIL and torch differ most."""
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(1)
+    paths = []
+    for i in range(n):
+        low = rng.uniform(0, 255, (6, 8, 3)).astype(np.uint8)
+        img = np.asarray(Image.fromarray(low).resize((500, 375), Image.BICUBIC), np.float32)
+        img = np.clip(img + rng.normal(0, 60, img.shape), 0, 255).astype(np.uint8)
+        paths.append(osp.join(folder, f"noisy_{i}.jpg"))
+        Image.fromarray(img).save(paths[-1], quality=90)
+    return paths
+
+
+def loader_report(args) -> dict:
+    """Measure both pipelines (see the module docstring); ``args``: tools/benchmark.py's."""
+    from engine.data import DataManager, build_transform
+    from engine.data.device_finish import device_finish_of
+    from experiments.benchmark_steps import Timer, device_description, make_jpeg_dataset
+
+    device = args.device
+    steps = args.steps if args.steps is not None else 5
+    timer = Timer(device, warmup=1, steps=steps, budget_s=args.budget)
+    tmp = tempfile.mkdtemp(prefix="loader-bench-")
+    classes, per_class = (4, 8) if args.small else (10, 16)
+    s = SimpleNamespace(loader_classes=classes, loader_per_class=per_class, cache_test_images=8)
+    root = make_jpeg_dataset(osp.join(tmp, "data"), s)
+    out = osp.join(tmp, "out")
+    shots = ["DATASET.NUM_SHOTS", str(per_class)]
+    result = {
+        "device": device_description(device),
+        "input": "500x375 JPEG (quality 90)",
+        "transforms": TRANSFORMS,
+        "interpolation": "bicubic",
+        "images_per_epoch": classes * per_class,
+        "rows": {},
+    }
+    epoch = [0]
+    fns, finishes = {}, {}
+    for pipeline in PIPELINES:
+        for cached in (True, False):
+            cfg = _cfg(root, out, pipeline, cached, 0, device, *shots)
+            dm = DataManager(cfg)
+            dm.cache_training_images()  # what the trainer does when training starts
+            name = f"{pipeline}, {'decoded cache' if cached else 'decoding every epoch'}"
+            fns[name] = worker_epoch(dm.train_loader_x, epoch)
+            if cached:
+                finishes[pipeline] = (dm.train_loader_x, device_finish_of(dm.tfm_train))
+    # the tensor operations with the float conversion and normalisation still in the worker
+    # (this project's pipeline before INPUT.PIPELINE): what sending uint8 saves on its own
+    cfg = _cfg(root, out, "tensor", True, 0, device, *shots)
+    dm = DataManager(cfg, custom_tfm_train=build_transform(cfg, True))
+    dm.cache_training_images()
+    fns["tensor normalised in the worker, decoded cache"] = worker_epoch(dm.train_loader_x, epoch)
+    times = timer.measure(fns)
+    n = result["images_per_epoch"]
+    for name, t in times.items():
+        result["rows"][name] = {"images_per_s_per_worker": round(n / t.seconds, 1)}
+    # the device's share of the tensor pipeline: finishing the collated uint8 batches
+    loader, finish = finishes["tensor"]
+    batches = [loader.collate_fn([loader.dataset[k] for k in list(loader.sampler)[:32]])] * 4
+    dev = torch.device(device)
+
+    def device_part():
+        for b in batches:
+            finish(b, dev)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    t = timer.measure({"finish": device_part})["finish"]
+    result["tensor_device_finish_images_per_s"] = round(4 * 32 / t.seconds, 1)
+    # end to end: one worker process, the batches as the training loop receives them
+    e2e = {}
+    for pipeline in PIPELINES:
+        dm = DataManager(_cfg(root, out, pipeline, True, 1, device, *shots))
+        dm.cache_training_images()
+        e2e[pipeline] = loader_epoch(dm.train_loader_x, epoch, device)
+    times = timer.measure(e2e)
+    result["one_worker_process_images_per_s"] = {
+        k: round(n / t.seconds, 1) for k, t in times.items()
+    }
+    rows = result["rows"]
+    result["tensor_over_pil_per_worker"] = {
+        kind: round(
+            rows[f"tensor, {kind}"]["images_per_s_per_worker"]
+            / rows[f"pil, {kind}"]["images_per_s_per_worker"],
+            2,
+        )
+        for kind in ("decoded cache", "decoding every epoch")
+    }
+    paths = {"photo-like JPEGs": [d.impath for d in dm.dataset.train_x][: 2 if args.small else 8]}
+    paths["heavy pixel noise"] = noisy_jpegs(osp.join(tmp, "noisy"), 2 if args.small else 4)
+    result["pixel_difference"] = [
+        {"images": kind, **pixel_difference(files, interpolation)}
+        for kind, files in paths.items()
+        for interpolation in ("bicubic", "bilinear")
+    ]
+    result["target_per_worker_2x"] = result["tensor_over_pil_per_worker"]["decoded cache"] >= 2
+    return result
+
+
+def print_loader_report(result: dict) -> None:
+    print(f"Loader pipelines ({result['device']}); {result['input']}, {result['transforms']}:")
+    for name, row in result["rows"].items():
+        print(f"  {name:38s} {row['images_per_s_per_worker']:8.1f} images/s per worker")
+    print(
+        "  tensor pipeline, device finish         "
+        f"{result['tensor_device_finish_images_per_s']:8.1f} images/s"
+    )
+    for k, v in result["one_worker_process_images_per_s"].items():
+        print(f"  {k}, 1 worker process, end to end    {v:8.1f} images/s")
+    print(f"  tensor / pil per worker: {result['tensor_over_pil_per_worker']} (target >= 2x)")
+    for d in result["pixel_difference"]:
+        print(
+            f"  tensor vs pil, {d['images']}, {d['interpolation']}: max {d['max_levels']:.0f} "
+            f"levels, mean "
+            f"{d['mean_levels']}, {100 * d['fraction_off']:.2f}% of values off, "
+            f"{100 * d['fraction_off_by_more_than_1']:.4f}% by more than 1"
+        )
