@@ -77,7 +77,8 @@ def compare(cases, worlds, dtd_root, deep_opts, root) -> list[tuple]:
         refs[case] = one_process(case, dtd_root, deep_opts, root, save_to=save)
         if case.prec != "float64":  # the precision's own rounding: against the float64 run
             wide = case._replace(prec="float64", compile="off", resume=False, cache=False)
-            refs.setdefault(wide, one_process(wide, dtd_root, deep_opts, root))
+            if wide not in refs:
+                refs[wide] = one_process(wide, dtd_root, deep_opts, root)
     rows = []
     previous = 1
     for world in worlds:
