@@ -338,6 +338,8 @@ def worker(rank, world, port, cases, dtd_root, deep_opts, out_dir, ckpt_root, pr
                 dist.all_gather_object(saves, (res["cache_saves"], res["cache_files"]))
                 res["cache_by_rank"] = saves
             results[case] = res
+            if rank == 0:
+                print(f"{world} processes: {case.id}", flush=True)
     except BaseException:
         results["error"] = f"rank {rank}: {traceback.format_exc()}"
         raise

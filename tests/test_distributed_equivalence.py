@@ -4,7 +4,7 @@ process, same global batch (8 of 14 items: steps of 8 and 6 items) and seed, 4 s
 Every case of a process count runs in one process group (spawned once, the cases in a loop);
 each case compares the learnable parameters, the whole optimizer state and the step's state
 (amp's GradScaler), bit-identical across the processes and equal to the one-process run:
-float64 runs to 1e-12 (relative to the state's largest number), fp32 / fp16 / amp / bf16 runs
+float64 runs to 1e-11 (relative to the state's largest number), fp32 / fp16 / amp / bf16 runs
 to their own rounding (3x the distance between the one-process run in that precision and in
 float64), amp's scales (its skipped steps) exactly; evaluation (predictions, accuracy) equal.
 
@@ -75,6 +75,7 @@ def compare(cases, worlds, dtd_root, deep_opts, root) -> list[tuple]:
     for case in cases:
         save = checkpoint_dir(root, 1, case) if case.resume else ""
         refs[case] = one_process(case, dtd_root, deep_opts, root, save_to=save)
+        print(f"one process: {case.id}", flush=True)
         if case.prec != "float64":  # the precision's own rounding: against the float64 run
             wide = case._replace(prec="float64", compile="off", resume=False, cache=False)
             if wide not in refs:
@@ -83,6 +84,7 @@ def compare(cases, worlds, dtd_root, deep_opts, root) -> list[tuple]:
     previous = 1
     for world in worlds:
         got = spawn(world, previous, cases, dtd_root, deep_opts, root)
+        print(f"{world} processes: {len(cases)} cases", flush=True)
         for case in cases:
             rows.append(check(case, world, refs, got[case]))
         previous = world
@@ -106,7 +108,10 @@ def check(case: Case, world: int, refs: dict, b: dict) -> tuple:
     calls = b["allreduces"]
     if world > 0 and case.family not in ("looksam", "sample-k2") and not case.resume:
         passes = 1 if case.family.endswith("-local") or not two_pass(case.family) else 2
-        assert calls == a["steps"] * passes, (where, calls)  # lookahead: 2nd pass every 2 steps
+        if case.prec == "amp":  # a step whose first pass overflows has no second pass
+            assert a["steps"] <= calls <= a["steps"] * passes, (where, calls)
+        else:  # lookahead (excluded above): the second pass every 2 steps
+            assert calls == a["steps"] * passes, (where, calls)
     if case.family.endswith("-local") and world > 0:  # m-sharpness: each process's own ascent
         assert diff > 1e-6, (where, diff)  # another method
         return (case, world, diff, None, calls, b["bytes"])
@@ -124,6 +129,8 @@ def check(case: Case, world: int, refs: dict, b: dict) -> tuple:
             tol = max(tol, 3 * rounding + 1e-7)
         # amp: the same scales after every step, so the same steps skipped
         assert b["scales"] == a["scales"], (where, a["scales"], b["scales"])
+        if case.prec == "amp":
+            print(f"amp {where}: scales {b['scales']}, skipped steps {skipped(b['scales'])}")
         assert flat(b["step_state"]).tolist() == flat(a["step_state"]).tolist(), where
         both = flat([a["params"], a["optim"]]), flat([b["params"], b["optim"]])
         diff = float((both[0] - both[1]).abs().max())
@@ -157,6 +164,11 @@ def magnitude(res: dict) -> float:
 
     walk([res["params"], res["optim"]])
     return max(found)
+
+
+def skipped(scales: list[float]) -> int:
+    """amp's skipped steps: the updates that lowered the scale."""
+    return sum(b < a for a, b in zip(scales, scales[1:]))
 
 
 def report(rows) -> None:
@@ -221,11 +233,12 @@ def test_every_trainer_and_optimizer_family_in_two_and_three_processes(
 
 @pytest.mark.slow
 def test_precisions_and_the_compiled_path_in_two_processes(dtd_root, deep_opts, tmp_path):
-    """fp32, fp16 (fp16 weights), amp (GradScaler: the same scales, so the same skipped steps,
-    on every process and in one) and bf16 autocast, with SAMPLe on CoOp and MaPLe; the compiled
-    encoders (MODEL.COMPILE aot_eager and inductor's generated code) under the gradient sync."""
-    precisions = ("fp32", "fp16", "amp", "bf16")
-    cases = [Case(t, "sample", p) for t in ("CoOp", "MaPLe") for p in precisions]
+    """fp32, fp16 (fp16 weights, fp32 prompts), amp (GradScaler: the same scales, so the same
+    skipped steps, on every process and in one) and bf16 autocast, with SAMPLe on CoOp; the
+    compiled encoders (MODEL.COMPILE aot_eager) under the gradient sync. Inductor's generated
+    code is not run here: compiling it on CPU costs about a minute of CPU per process
+    (tests/test_compile.py runs it in one process)."""
+    cases = [Case("CoOp", "sample", p) for p in ("fp32", "fp16", "amp", "bf16")]
     cases += [Case("CoOp", "sample", "fp32", compile="aot_eager")]
     t0 = time.time()
     report(compare(cases, [2], dtd_root, deep_opts, tmp_path))
