@@ -227,6 +227,41 @@ def broadcast_state(trainer) -> None:
                 dist.broadcast(t, src=0)
 
 
+def collective_device() -> torch.device:
+    """Where the default group's collectives take their tensors (NCCL: this GPU; gloo: CPU)."""
+    if data_parallel() is not None and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def main_decides(value):
+    """Rank 0's ``value`` on every process (one process: ``value``): a decision that every
+    process must take alike, e.g. whether rank 0 found the feature cache."""
+    if data_parallel() is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast_tensors(tensors: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """Rank 0's ``tensors`` on every process, on the collectives' device (the other processes
+    pass None; one process: ``tensors``)."""
+    if data_parallel() is None:
+        return tensors
+    meta = [[(tuple(t.shape), t.dtype) for t in tensors] if is_main_process() else None]
+    dist.broadcast_object_list(meta, src=0)
+    device, out = collective_device(), []
+    for i, (shape, dtype) in enumerate(meta[0]):
+        if is_main_process():
+            t = tensors[i].to(device).contiguous()
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=0)
+        out.append(t)
+    return out
+
+
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """The rows of ``t`` of every process, in rank order (one process: ``t``)."""
     if data_parallel() is None:

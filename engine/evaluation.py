@@ -140,7 +140,13 @@ class EvaluationMixin:
                 data=data_fingerprint(loader.dataset.data_source),
                 transform=repr(loader.dataset.transform),
             )
-            hit = cache.load(key)
+            hit = cache.load(key) if distributed.is_main_process() else None
+            if distributed.main_decides(hit is not None) and distributed.data_parallel():
+                # data-parallel (#29): rank 0 read the cache; every process gets its features
+                # (no process but rank 0 reads or writes the cache: node-local caches agree)
+                sent = [hit["features"], hit["labels"]] if hit is not None else None
+                features, labels = distributed.broadcast_tensors(sent)
+                hit = {"features": features, "labels": labels}
             if hit is not None:
                 logger.info("Evaluation features loaded from %s", cache.path(key))
                 return hit["features"].to(self.device), hit["labels"].to(self.device)
@@ -148,7 +154,7 @@ class EvaluationMixin:
         features, labels = compute_features(encode, wrapped, self.device, self.autocast)
         # data-parallel (#29): every process encoded its shard; all of them, in the set's order
         features, labels = distributed.gather_rows(features), distributed.gather_rows(labels)
-        if cache is not None:
+        if cache is not None and distributed.is_main_process():  # #29: one writer
             cache.save(key, features, labels)
             logger.info("Evaluation features saved to %s", cache.path(key))
         return features, labels.to(self.device)

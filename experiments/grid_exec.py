@@ -166,10 +166,13 @@ def execute_chain(
     where: str = "",
     worker=None,
     nproc: int = 1,
+    nodes: int = 1,
+    step_opts=(),
 ) -> None:
     """Run the unfinished runs of ``chain`` in order (evaluations need a finished training);
     ``worker``: an in-process worker (tools.worker.Worker) that runs them, else processes;
-    ``nproc`` > 1: each run is that many data-parallel processes (torchrun)."""
+    ``nproc`` > 1: each run is that many data-parallel processes (torchrun; ``nodes`` > 1: one
+    srun step over that many machines, experiments/grid_distributed.py)."""
     for run in chain.runs:
         status = run_status(run)
         if status == "done":
@@ -184,7 +187,9 @@ def execute_chain(
             cmd = run.command(setup, epoch)
             cmd[2:2] = GRID_FLAGS  # [python, train.py, flags..., args...]
             if nproc > 1:  # data-parallel runs (#29): experiments/grid_distributed.py
-                cmd = torchrun_command(cmd, nproc)
+                from experiments.grid_distributed import launch_command
+
+                cmd = launch_command(cmd, nproc, nodes, step_opts)
         except ProtocolError as e:
             progress.done(run, f"{run.label}: not run: {e}", 0)
             continue

@@ -37,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from experiments.grid_distributed import step_options
 from experiments.protocols import REPO, Chain, Setup, run_status
 from experiments.results import read_run
 
@@ -64,11 +65,19 @@ class ChainJob:
     interrupted one from its last epoch.
     """
 
-    def __init__(self, nproc: int = 1):
+    def __init__(self, nproc: int = 1, nodes: int = 1, step_opts=()):
         self.nproc = nproc  # data-parallel processes per run (#29: --gpus-per-run)
+        self.nodes = nodes  # machines per run (#29: --nodes): one srun step per run
+        self.step_opts = list(step_opts)  # the step's CPUs and GPUs (grid_distributed)
 
     def __call__(self, chain: Chain, setup: Setup) -> str:
         from experiments.grid_exec import Progress, execute_chain
+
+        nodes = getattr(self, "nodes", 1)
+        if nodes > 1 and int(os.environ.get("SLURM_PROCID") or 0) != 0:
+            # a job over several nodes starts this on every node: the first runs the chain,
+            # whose runs are srun steps over all of them
+            return f"{chain.train.label}: task {os.environ['SLURM_PROCID']} (the runs' steps)"
 
         attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
         todo = sum(run_status(r) != "done" for r in chain.runs)
@@ -79,7 +88,8 @@ class ChainJob:
         )
         progress = Progress(todo)
         with _stop_on_sigterm():
-            execute_chain(chain, setup, progress, stream=False, nproc=getattr(self, "nproc", 1))
+            execute_chain(chain, setup, progress, stream=False, nproc=getattr(self, "nproc", 1),
+                          nodes=nodes, step_opts=getattr(self, "step_opts", ()))  # fmt: skip
         if progress.failed:
             raise RuntimeError("\n".join(progress.failed))
         return f"{chain.train.label}: done"
@@ -141,6 +151,9 @@ def submitit_params(args) -> dict:
     }
     if args.slurm_gpus:
         params["gpus_per_node"] = args.slurm_gpus
+    nodes = getattr(args, "nodes", 1) or 1
+    if nodes > 1:  # data-parallel runs over several machines (#29): one task per node here
+        params["nodes"] = nodes
     if args.slurm_partition:
         params["slurm_partition"] = args.slurm_partition
     if args.slurm_mem:
@@ -179,7 +192,9 @@ def submit(chains: list[Chain], setup: Setup, args) -> list:
         )
         executor.update_parameters(**params)
         nproc = getattr(args, "gpus_per_run", 1) or 1  # data-parallel runs (#29)
-        jobs = executor.map_array(ChainJob(nproc), chains, [setup] * len(chains))
+        nodes = getattr(args, "nodes", 1) or 1
+        job = ChainJob(nproc, nodes, step_options(args, nproc, nodes) if nodes > 1 else ())
+        jobs = executor.map_array(job, chains, [setup] * len(chains))
     except Exception as e:
         _remove_new_files(folder, before, existed)
         if isinstance(e, GridError):

@@ -1,13 +1,7 @@
 """Data-parallel runs equal the one-process run (docs/distributed.md).
 
 - The sampler: the shards of every step, in rank order, are the one-process batch.
-- The equivalence suite: gloo processes (spawned, several trainer x optimizer cases per process
-  group) against one process, same global batch and seed: parameters and optimizer state after
-  4 steps, in float64 (to its rounding: the tiny random CLIPs' gradients cancel so much that
-  fp32 rounding alone moves them by 1e-3 relative), evaluation predictions and accuracy. The
-  fast part runs 3 processes (uneven shards 3, 3, 2) on the optimizers with per-item records;
-  the long part (slow) every optimizer family on CoOp and SAMPLe on every registered trainer,
-  with 2 processes.
+- The equivalence suite of every trainer x optimizer family: tests/test_distributed_equivalence.py.
 - ``torchrun --nproc_per_node 2 train.py`` gives the one-process run's checkpoint, resumes into
   one process, and a killed rank ends the run with a message naming it.
 """
@@ -27,9 +21,7 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import ROOT
-from distributed_cases import FAMILIES, flat, run_case, trainable, worker
 from helpers import coop_args
 
 from engine.data.distributed import (
@@ -41,7 +33,6 @@ from engine.data.distributed import (
 from engine.data.manager import EpochSampler
 from engine.distributed import env_from_slurm, first_host
 from engine.errors import ConfigError
-from optim import list_optimizers
 from optim.errors import OptimConfigError
 
 
@@ -87,76 +78,11 @@ def test_slurm_variables_give_the_rendezvous():
     assert env_from_slurm({**env, "SLURM_NTASKS": "1"}) == {}
 
 
-# -- the equivalence suite --------------------------------------------------------------------
+# -- the equivalence suite: tests/test_distributed_equivalence.py ----------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def compare(cases, world, dtd_root, deep_opts, tmp_path):
-    """Run ``cases`` in one process and in one group of ``world`` gloo processes; assert that
-    they agree; returns {case: (max abs difference, all-reduces, bytes per all-reduce)}."""
-    ref = {}
-    for trainer, family, dtype, evaluate in cases:
-        folder = str(tmp_path / "one" / f"{trainer}-{family}")
-        ref[(trainer, family, str(dtype))] = run_case(
-            trainer, family, dtype, dtd_root, deep_opts, folder, evaluate
-        )
-    out = str(tmp_path / f"world{world}")
-    os.makedirs(out)
-    args = (world, free_port(), cases, dtd_root, deep_opts, out)
-    mp.spawn(worker, args=args, nprocs=world, join=True)
-    got = torch.load(osp.join(out, f"results-{world}-0.pt"), weights_only=False)
-    table = {}
-    for trainer, family, dtype, evaluate in cases:
-        key = (trainer, family, str(dtype))
-        a, b = ref[key], got[key]
-        assert b["ranks_equal"], key  # every process holds the same parameters and state
-        x, y = flat([a["params"], a["optim"]]), flat([b["params"], b["optim"]])
-        assert x.shape == y.shape, key
-        diff = float((x - y).abs().max())
-        passes = 2 if family.split("-")[0] in TWO_PASS else 1
-        expected = a["steps"] * (1 if family.endswith("-local") else passes)
-        if family not in ("looksam", "sample-k2"):  # lookahead: the second pass every 2 steps
-            assert b["allreduces"] == expected, (key, b["allreduces"], expected)
-        if family.endswith("-local"):  # m-sharpness: each process's own ascent, another method
-            assert diff > 1e-6, (key, diff)
-            table[key] = (diff, b["allreduces"], b["bytes"])
-            continue
-        tol = 1e-10 if dtype == torch.float64 else 2e-5 * float(x.abs().max())
-        assert diff <= tol, (key, diff)
-        assert not torch.equal(flat(a["params"]), flat(run_params_at_start(a))), key
-        if evaluate:
-            assert torch.equal(a["preds"], b["preds"]) and torch.equal(a["labels"], b["labels"])
-            assert a["accuracy"] == b["accuracy"]
-        table[key] = (diff, b["allreduces"], b["bytes"])
-    return table
-
-
-def run_params_at_start(result):
-    """A zero vector shaped as the parameters: trained parameters are never all zero, so the
-    comparison above cannot pass on two untouched runs."""
-    return {k: torch.zeros_like(v) for k, v in result["params"].items()}
-
-
-F64 = torch.float64
-TWO_PASS = {s.name for s in list_optimizers("sharpness") if s.needs_closure}
-
-
-def test_three_processes_equal_one_with_per_item_records(dtd_root, deep_opts, tmp_path):
-    """Uneven shards (3, 3, 2 then 2, 2, 2): ESAM's global selection (both schedules), SAF's
-    records and SAMPLe's moving average; the evaluation gathered in order."""
-    cases = [
-        ("CoOp", "sample", F64, True),
-        ("CoOp", "esam", F64, False),
-        ("CoOp", "esam-masked", F64, False),
-        ("CoOp", "saf", F64, False),
-        ("CoOp", "sam-local", F64, False),
-    ]
-    table = compare(cases, 3, dtd_root, deep_opts, tmp_path)
-    for key, (diff, calls, nbytes) in sorted(table.items()):
-        print("equivalence", *key, f"max|diff| {diff:.2e}", f"all-reduces {calls}", nbytes)
 
 
 def test_m_sharpness_is_refused_where_processes_would_drift(tiny_clip_opts, tmp_path):
@@ -176,16 +102,6 @@ def test_m_sharpness_is_refused_where_processes_would_drift(tiny_clip_opts, tmp_
             opt.set_lookahead(2, 0.7)
         with pytest.raises(OptimConfigError, match=why):
             check_local_ascent(opt)
-
-
-@pytest.mark.slow
-def test_every_trainer_and_optimizer_family_in_two_processes(dtd_root, deep_opts, tmp_path):
-    families = [f for f in FAMILIES if f not in ("esam-masked", "sam-local")]  # in the fast part
-    cases = [("CoOp", f, F64, False) for f in families]
-    cases += [(t, "sample", F64, True) for t in trainable() if t != "CoOp"]
-    table = compare(cases, 2, dtd_root, deep_opts, tmp_path)
-    for key, (diff, calls, nbytes) in sorted(table.items()):
-        print("equivalence", *key, f"max|diff| {diff:.2e}", f"all-reduces {calls}", nbytes)
 
 
 # -- real torchrun runs -----------------------------------------------------------------------
@@ -323,3 +239,67 @@ def test_grid_groups_gpus_and_launches_torchrun():
     assert check_args(args) == 2 and args.slurm_gpus == 2  # one GPU per process
     with pytest.raises(GridError, match="--in-process"):
         check_args(Namespace(gpus_per_run=2, in_process=True, per_gpu=1, slurm=False))
+
+
+def slurm_args(**kw):
+    from argparse import Namespace
+
+    base = dict(gpus_per_run=8, nodes=2, in_process=False, per_gpu=1, slurm=True, slurm_gpus=1,
+                slurm_time=60, slurm_cpus=16, slurm_parallel=4, slurm_partition="", slurm_mem=0,
+                slurm_param=[])  # fmt: skip
+    return Namespace(**{**base, **kw})
+
+
+def test_grid_nodes_asks_slurm_for_the_nodes_and_runs_each_run_as_one_step(tmp_path, monkeypatch):
+    """``--slurm --nodes 2 --gpus-per-run 8``: the job's sbatch script asks for 2 nodes with 4
+    GPUs each (one task per node: the chain runs on the first; requeue and the time-limit
+    signal as for every grid job); each run is one srun step of 2 x 4 processes."""
+    import submitit
+
+    from experiments.grid_distributed import check_args, launch_command, step_options
+    from experiments.grid_slurm import ChainJob, submitit_params
+
+    args = slurm_args()
+    assert check_args(args) == 8 and args.slurm_gpus == 4  # GPUs per node
+    executor = submitit.AutoExecutor(folder=str(tmp_path), cluster="slurm")
+    executor.update_parameters(**submitit_params(args))
+    script = executor._executor._make_submission_file_text("python -m submitit.core._submit", "x")
+    for line in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--cpus-per-task=16",
+                 "--requeue", "--signal=USR2@90"):  # fmt: skip
+        assert f"#SBATCH {line}\n" in script, (line, script)
+    cmd = launch_command(["py", "train.py", "--seed", "1"], 8, 2, step_options(args, 8, 2))
+    assert cmd == [
+        "srun", "--overlap", "--nodes", "2", "--ntasks-per-node", "4", "--cpus-per-task", "4",
+        "--gpus-per-node", "4", "--kill-on-bad-exit=1", "py", "train.py", "--seed", "1",
+    ]  # fmt: skip
+    cpu = slurm_args(slurm_gpus=0, gpus_per_run=4)  # gloo on CPU nodes: no GPU option
+    assert check_args(cpu) == 4 and "--gpus-per-node" not in step_options(cpu, 4, 2)
+    # one node: the job and the runs as before (torchrun on the job's node)
+    one = slurm_args(nodes=1, gpus_per_run=2)
+    assert check_args(one) == 2 and "nodes" not in submitit_params(one)
+    assert launch_command(["py", "train.py"], 2, 1)[1:3] == ["-m", "torch.distributed.run"]
+    # the job's other tasks (one per node) leave the chain to the first
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    from experiments.protocols import Chain
+
+    chain = Chain.__new__(Chain)
+    chain.train = type("Run", (), {"label": "CoOp dtd seed1"})()
+    assert "task 1" in ChainJob(8, 2)(chain, None)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(gpus_per_run=6, nodes=4), "must be a multiple of --nodes .*--nodes 3"),
+        (dict(gpus_per_run=2, nodes=3), "must be a multiple of --nodes"),
+        (dict(nodes=2, slurm=False), "add --slurm"),
+        (dict(nodes=0), "--nodes must be at least 1"),
+        (dict(gpus_per_run=8, nodes=2, slurm_cpus=2), "4 processes per node need at least"),
+    ],
+)
+def test_grid_nodes_refuses_what_does_not_divide(kw, message):
+    from experiments.grid_distributed import check_args
+    from experiments.grid_exec import GridError
+
+    with pytest.raises(GridError, match=message):
+        check_args(slurm_args(**kw))

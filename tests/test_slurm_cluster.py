@@ -210,14 +210,16 @@ def test_requeue_cancel_and_time_limit(reference, slurm_cluster, toy, tmp_path, 
 
 
 def test_grid_gpus_per_run_two_on_slurm(slurm_cluster, toy, tmp_path):
-    """``--gpus-per-run 2 --slurm-gpus 0``: each chain's job runs its runs as 2 gloo processes
-    (torchrun); training and the evaluation of the new classes are data-parallel runs."""
+    """``--gpus-per-run 2 --slurm-gpus 0 --nodes 1``: each chain's job runs its runs as 2 gloo
+    processes (torchrun); training and the evaluation of the new classes are data-parallel
+    runs. (Several nodes: tests/test_distributed.py checks the job's script and the steps.)"""
     base, clip_opts = toy
     out = str(tmp_path / "out")
     argv = ["--trainers", "CoOp", "--optims", "sample", "--datasets", "dtd", "--seeds", "1"]
     argv += ["--repro", "paper", "--data", str(base / "data"), "--output", out, "--shots", "4"]
     argv += ["--no-check", "--slurm", "--slurm-gpus", "0", "--slurm-cpus", "1"]
-    argv += ["--slurm-poll", "1", "--slurm-wait", "--gpus-per-run", "2", "--", *clip_opts]
+    argv += ["--slurm-poll", "1", "--slurm-wait", "--gpus-per-run", "2", "--nodes", "1"]
+    argv += ["--", *clip_opts]
     argv += ["OPTIM.MAX_EPOCH", "2", "TEST.FEATURE_CACHE", "False", "TRAINER.COOP.PREC", "fp32"]
     proc = subprocess.run(
         [sys.executable, osp.join(ROOT, "tools", "grid.py"), *argv],

@@ -459,6 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
         "N gloo processes without GPUs, N GPUs per SLURM job",
     )
     run.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="with --slurm and --gpus-per-run N: machines per run (each SLURM job asks for "
+        "this many nodes with N / nodes GPUs each; each run is one srun step over them)",
+    )
+    run.add_argument(
         "--worker-mem-gb",
         type=float,
         default=4.0,
