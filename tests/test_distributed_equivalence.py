@@ -218,8 +218,12 @@ def test_the_suite_covers_the_registries():
     assert {s.name for s in list_optimizers()} <= names
     for t in TRAINER_REGISTRY:
         cls = TRAINER_REGISTRY.get(t)
-        if not cls.EVAL_ONLY and not getattr(cls, "ALIAS_OF", ""):
+        if cls.EVAL_ONLY or getattr(cls, "ALIAS_OF", ""):
+            continue
+        if getattr(cls, "DATA_PARALLEL", True):
             assert {f for c in cases if c.trainer == t for f in [c.family]} >= set(families())
+        else:  # declared one-process (SkipTuning, ProGrad): refused, tested in its own file
+            assert t not in {c.trainer for c in cases}
 
 
 @pytest.mark.slow

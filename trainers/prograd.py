@@ -287,6 +287,9 @@ class ProGrad(PromptTrainer):
     # the sharpness-aware optimizers it refuses and the reason the refusal gives (optim/prograd.py;
     # tests/test_trainer_matrix.py checks each); ESAM's masked pass is refused too
     REFUSED_OPTIMIZERS = {name: "adds a loss term of its own" for name in ("saf", "mesa")}
+    # one process: the projection needs both gradients all-reduced first (refused by
+    # OptimizerStep.set_projection under data-parallel runs)
+    DATA_PARALLEL = False
 
     add_config = staticmethod(add_prograd_config)
 
