@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import os.path as osp
 import subprocess
@@ -22,6 +23,17 @@ if "SAMPLE_PL_CACHE" not in os.environ:  # caches of the tests never go to the h
     import tempfile
 
     os.environ["SAMPLE_PL_CACHE"] = tempfile.mkdtemp(prefix="sample-pl-test-cache-")
+# A parallel run (pytest-xdist, the README's `-n 2`): each worker process computes on one core (two
+# workers with two threads each would oversubscribe two cores; train.py subprocesses started by
+# the tests follow OMP_NUM_THREADS) and keeps its caches in a folder of its own.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ["SAMPLE_PL_CACHE"] = osp.join(os.environ["SAMPLE_PL_CACHE"], XDIST_WORKER)
+    os.makedirs(os.environ["SAMPLE_PL_CACHE"], exist_ok=True)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +89,7 @@ def dtd_root_shared(tmp_path_factory):
 
 def run_train(args: list[str], check: bool = True, timeout: int = 300):
     """Run train.py in a subprocess; returns the CompletedProcess."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"])
     proc = subprocess.run(
         [sys.executable, osp.join(ROOT, "train.py"), *args],
         capture_output=True,
@@ -123,3 +135,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         parts.append(f"{deselected} deselected by {' '.join(how) or 'the command line'}")
     if parts:
         terminalreporter.write_line("Not run: " + "; ".join(parts))
+
+
+def pytest_configure(config):
+    """A parallel run (``-n 2 --dist loadfile``, the README's command) sends each test file to one
+    worker as a whole: the file's module-scoped fixtures (a trained run, a grid) are built once,
+    its tests run in file order (the page order of tests/test_docs.py's blocks) and the files that
+    share a service (tests/test_slurm_cluster.py's one cluster) keep it to themselves. The files
+    go out in the order the workers collected them (see below), not by their number of tests."""
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a worker of a parallel run, the files with the most slow tests (end-to-end runs) come
+    first, so that the two workers end together on short tests instead of one waiting for the
+    other's last file of subprocess runs. A stable sort: each file's tests keep their order."""
+    if XDIST_WORKER:
+        slow = collections.Counter(str(it.path) for it in items if it.get_closest_marker("slow"))
+        items.sort(key=lambda item: -slow[str(item.path)])

@@ -234,7 +234,7 @@ def run_script(cwd, script: str, args, extra_opts, **env) -> str:
         os.environ,
         PATH=osp.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         PYTHON=sys.executable,
-        OMP_NUM_THREADS="2",
+        OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"],
         EXTRA_OPTS=" ".join(o.replace(" ", "") for o in extra_opts),  # words: "(32,32)"
         **env,
     )

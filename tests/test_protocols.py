@@ -424,7 +424,9 @@ def test_slurm_wait_reports_requeues_and_each_chains_end(tmp_path, monkeypatch, 
 
 # -- the scripts, end to end on generated data and the tiny CLIP --------------------------------
 def _script(name: str, args: list[str], env: dict, ok: bool = True):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="2", **env)
+    env = dict(
+        os.environ, PYTHON=sys.executable, OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"], **env
+    )
     proc = subprocess.run(
         ["bash", osp.join(ROOT, "scripts", name), *args],
         capture_output=True,

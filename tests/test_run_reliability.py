@@ -39,7 +39,7 @@ _args = coop_args  # this module's runs: helpers.coop_args
 
 
 def _popen(args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="2")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=os.environ["OMP_NUM_THREADS"])
     return subprocess.Popen(
         [sys.executable, osp.join(ROOT, "train.py"), *args],
         stdout=subprocess.DEVNULL,

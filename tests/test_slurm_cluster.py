@@ -17,6 +17,8 @@ from conftest import ROOT
 from experiments.grid_slurm import JOBS_FILE
 from tools import grid, make_tables, slurm_local
 
+# one worker of a parallel run (the README's `-n 2 --dist loadfile`) runs this file: one cluster
+# (its daemons, ports and state folder) is started once, and no other worker starts another
 pytestmark = pytest.mark.slow
 EPOCHS = 10  # long enough to requeue the training in its middle (a rolling checkpoint a epoch)
 
