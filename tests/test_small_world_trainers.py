@@ -5,12 +5,14 @@ world"): each merges, builds on the shipped small CLIP (3 blocks per tower) and 
 from __future__ import annotations
 
 import os.path as osp
+import random
 
 import pytest
 from conftest import make_cfg
 
 import datasets.small_world as sw
 from engine import build_trainer
+from trainers.skiptuning import feature_batches
 
 TRAINERS = ("ProGrad", "DePT_CoOp", "MMRL", "SkipTuning")
 
@@ -42,5 +44,10 @@ def test_small_world_config_builds_and_evaluates(world_root, tmp_path, trainer):
         blocks = tr.model.image.visual.transformer.resblocks
         tuned = [any(p.requires_grad for p in b.parameters()) for b in blocks]
         assert tr.model.start == 1 and tuned == [False, True, True]
+        # its one-class batches fit the demo's 16 shots of each of the 32 base classes
+        labels = [y for y in range(32) for _ in range(16)]
+        size = cfg.DATALOADER.TRAIN_X.BATCH_SIZE
+        batches = feature_batches(labels, size, True, random.Random(0))
+        assert len(batches) == 32 * 16 // size
     accuracy = tr.test()
     assert 0.0 <= accuracy <= 100.0
