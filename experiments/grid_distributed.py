@@ -19,7 +19,20 @@ one-run-per-GPU and packed modes:
 
 from __future__ import annotations
 
-from experiments.grid_exec import GridError, torchrun_command  # noqa: F401  (the launcher)
+
+class GridError(ValueError):
+    """Bad grid arguments or failed pre-flight checks (raised by every grid module; defined
+    here, the bottom of the grid's modules, and imported by experiments/grid_exec.py)."""
+
+
+def torchrun_command(cmd: list[str], nproc: int) -> list[str]:
+    """``[python, train.py, args...]`` as ``nproc`` data-parallel processes (#29: torchrun
+    with a rendezvous of its own on a free local port; docs/distributed.md)."""
+    if nproc <= 1:
+        return list(cmd)
+    python, script, *args = cmd
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return [python, *launch, script, *args]
 
 
 def gpu_groups(gpus: list[str], nproc: int) -> list[str]:

@@ -17,12 +17,9 @@ import subprocess
 import threading
 import time
 
+from experiments.grid_distributed import GridError, launch_command, torchrun_command  # noqa: F401
 from experiments.protocols import Chain, ProtocolError, Run, Setup, load_epoch, run_status
 from experiments.results import read_run
-
-
-class GridError(ValueError):
-    """Bad grid arguments or failed pre-flight checks."""
 
 
 # -- progress ---------------------------------------------------------------------------------
@@ -68,16 +65,6 @@ class Progress:
 
 
 # -- execution --------------------------------------------------------------------------------
-def torchrun_command(cmd: list[str], nproc: int) -> list[str]:
-    """``[python, train.py, args...]`` as ``nproc`` data-parallel processes (#29: torchrun
-    with a rendezvous of its own on a free local port; docs/distributed.md)."""
-    if nproc <= 1:
-        return list(cmd)
-    python, script, *args = cmd
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return [python, *launch, script, *args]
-
-
 # Given to every train.py run of a grid: a run whose folder another process holds (a second grid
 # on the same output, a requeued job) is waited for, and a run found finished once its folder's
 # lock is held ends at once, so a run is never trained or evaluated twice (engine/run_folder.py).
@@ -187,8 +174,6 @@ def execute_chain(
             cmd = run.command(setup, epoch)
             cmd[2:2] = GRID_FLAGS  # [python, train.py, flags..., args...]
             if nproc > 1:  # data-parallel runs (#29): experiments/grid_distributed.py
-                from experiments.grid_distributed import launch_command
-
                 cmd = launch_command(cmd, nproc, nodes, step_opts)
         except ProtocolError as e:
             progress.done(run, f"{run.label}: not run: {e}", 0)

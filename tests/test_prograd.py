@@ -300,11 +300,13 @@ def test_amp_scale_passes_through_and_data_parallel_is_refused():
         step.set_projection(ProGradProjection(1.0))
 
 
-def test_cuda_graph_compile_modes_run_eagerly(reference, caplog):
+@pytest.mark.parametrize("mode", ["reduce-overhead", "aot_eager"])
+def test_compile_modes_run_eagerly(reference, caplog, mode):
     _, cfg_path, ckpt = reference
     opts = ["MODEL.BACKBONE.NAME", "", "MODEL.BACKBONE.CONFIG", cfg_path, "MODEL.BACKBONE.PATH"]
     opts += [ckpt, "INPUT.SIZE", "(32, 32)", "TRAINER.PROGRAD.PREC", "fp32"]
     with caplog.at_level("INFO", logger="trainers.prograd"):
-        cfg = make_cfg([*opts, "MODEL.COMPILE", "reduce-overhead"], trainer="ProGrad")
+        cfg = make_cfg([*opts, "MODEL.COMPILE", mode], trainer="ProGrad")
         trainer = build_trainer(cfg, classnames=["a", "b"])
-    assert trainer.compiled_modules == [] and "uses CUDA graphs" in caplog.text
+        assert trainer.compile_model() == []
+    assert trainer.compiled_modules == [] and "encoders run eagerly" in caplog.text

@@ -99,7 +99,6 @@ PROGRAD_TEMPLATES = {
     "ImageNetA": "a photo of a {}.",
     "ImageNetR": "a photo of a {}.",
 }
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes with CUDA graphs
 TEMPLATE_INIT = "template"  # CTX_INIT: the words of the dataset's template (the authors' True)
 LOSS_NAMES = ("prograd",)  # the authors' LOSS.NAME values (anything else: NotImplementedError)
 
@@ -290,6 +289,7 @@ class ProGrad(PromptTrainer):
     # one process: the projection needs both gradients all-reduced first (refused by
     # OptimizerStep.set_projection under data-parallel runs)
     DATA_PARALLEL = False
+    COMPILES = False  # eager under every MODEL.COMPILE mode (compile_model)
 
     add_config = staticmethod(add_prograd_config)
 
@@ -329,15 +329,15 @@ class ProGrad(PromptTrainer):
         )
 
     def compile_model(self):
-        """Eager encoders under a CUDA-graph compile mode (``MODEL.COMPILE auto`` on a GPU,
-        ``reduce-overhead``, ``max-autotune``): the projection backpropagates twice through one
-        forward, and CUDA graphs replay into static buffers that the second backward would
-        overwrite (not measured on a GPU here: the safe side). Other modes compile."""
-        if self.compile_mode in CUDA_GRAPH_MODES and self.compiled_modules is None:
+        """Eager encoders under every ``MODEL.COMPILE`` mode: the projection backpropagates twice
+        through one forward (the first backward keeps the graph). CUDA-graph modes replay into
+        static buffers that the second backward would overwrite, and AOT autograd's donated
+        buffers refuse a retained graph; a graph compiled for another trainer's encoder in the
+        same process (a packed worker) may have them, so ProGrad never uses compiled encoders."""
+        if self.compile_mode and self.compiled_modules is None:
             logger.info(
-                "ProGrad: MODEL.COMPILE %s uses CUDA graphs, which its two backward passes per "
-                "forward do not combine with; the encoders run eagerly (MODEL.COMPILE "
-                "max-autotune-no-cudagraphs compiles without them)",
+                "ProGrad: MODEL.COMPILE %s: its two backward passes per forward do not combine "
+                "with compiled encoders (CUDA graphs, donated buffers); the encoders run eagerly",
                 self.cfg.MODEL.COMPILE,
             )
             self.compiled_modules = []
