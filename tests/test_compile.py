@@ -90,9 +90,11 @@ def test_compiled_steps_and_evaluation_match_eager(trainer, sam, tmp_path, dtd_r
     # fp32 rounding: AOT autograd's decompositions (layer norm, GELU) round differently
     assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-6)
     assert a1 == a2
-    for x, y in zip(p1, p2, strict=True):  # (SAMPLe's normalised directions carry the rounding
-        # into elements near 0: the absolute bound follows each tensor's scale)
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4 * max(1.0, float(x.abs().max())))
+    for x, y in zip(p1, p2, strict=True):
+        # each tensor within 1e-4 of its norm: SAMPLe's normalised directions can carry the
+        # rounding of a thread-dependent reduction into one element near 0 (MMRL: one of 32,768
+        # moves by 2e-4 with two threads, 4e-5 with one), while a wrong graph moves the whole
+        assert float((x - y).norm()) <= 1e-4 * float(y.norm()) + 1e-6, float((x - y).norm())
 
 
 @pytest.mark.slow
