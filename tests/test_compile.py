@@ -94,7 +94,8 @@ def test_compiled_steps_and_evaluation_match_eager(trainer, sam, tmp_path, dtd_r
         # each tensor within 1e-4 of its norm: SAMPLe's normalised directions can carry the
         # rounding of a thread-dependent reduction into one element near 0 (MMRL: one of 32,768
         # moves by 2e-4 with two threads, 4e-5 with one), while a wrong graph moves the whole
-        assert float((x - y).norm()) <= 1e-4 * float(y.norm()) + 1e-6, float((x - y).norm())
+        bound = 1e-4 * float(y.norm()) + 1e-5 * y.numel() ** 0.5  # (1e-5: per element)
+        assert float((x - y).norm()) <= bound, (float((x - y).norm()), bound)
 
 
 @pytest.mark.slow
