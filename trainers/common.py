@@ -150,7 +150,28 @@ class FrozenImageCLIP(nn.Module):
         return clip_logits(self.logit_scale, image_features, text_features)
 
 
-class PromptTrainer(TrainerX):
+class TextOnceEvaluation:
+    """Evaluation of a model with ``encode_image`` / ``encode_text`` / ``logits``: the class
+    text features once per evaluation (mixed in before TrainerX: PromptTrainer, SkipTuning)."""
+
+    def before_test(self):
+        self._text_features = self.model.encode_text()
+
+    def after_test(self):
+        self._text_features = None
+
+    def model_outputs(self, image):
+        image_features = self.model.encode_image(image)
+        text_features = self.model.encode_text()
+        return ModelOutput(
+            image_features, text_features, self.model.logits(image_features, text_features)
+        )
+
+    def model_inference(self, image):
+        return self.model.logits(self.model.encode_image(image), self._text_features)
+
+
+class PromptTrainer(TextOnceEvaluation, TrainerX):
     """Shared by text-prompt trainers with a frozen image encoder (CoOp, TCP, ...):
     image features once per step, text features once per evaluation."""
 
@@ -174,22 +195,6 @@ class PromptTrainer(TrainerX):
         loss = ce + weight * kg
         summary = {"acc": compute_accuracy(logits, label)[0], "ce": ce.detach(), "kg": kg.detach()}
         return loss, summary
-
-    def before_test(self):
-        self._text_features = self.model.encode_text()
-
-    def after_test(self):
-        self._text_features = None
-
-    def model_outputs(self, image):
-        image_features = self.model.encode_image(image)
-        text_features = self.model.encode_text()
-        return ModelOutput(
-            image_features, text_features, self.model.logits(image_features, text_features)
-        )
-
-    def model_inference(self, image):
-        return self.model.logits(self.model.encode_image(image), self._text_features)
 
     def frozen_image_encoder(self):
         return self.model.image_encoder

@@ -78,11 +78,11 @@ from engine.clip.vision import PromptedVisionEncoder
 from engine.data.manager import DatasetWrapper, EpochSampler
 from engine.errors import CheckpointError, ConfigError
 from engine.registry import TRAINER_REGISTRY
-from engine.trainer import ModelOutput, TrainerX
+from engine.trainer import TrainerX
 from engine.utils import compute_accuracy, epoch_seed
 from optim import build_lr_scheduler, build_optimizer
 
-from .common import l2_normalize, load_init_weights
+from .common import TextOnceEvaluation, l2_normalize, load_init_weights
 from .maple import VIT_BACKBONES
 from .zsclip import DEFAULT_TEMPLATE
 
@@ -410,7 +410,7 @@ class SkipTuningCLIP(nn.Module):
 
 
 @TRAINER_REGISTRY.register()
-class SkipTuning(TrainerX):
+class SkipTuning(TextOnceEvaluation, TrainerX):
     """Skip Tuning: the upper blocks of both CLIP towers fine-tuned on features of the frozen
     lower blocks computed once per epoch, over a per-step subset of the classes."""
 
@@ -683,20 +683,3 @@ class SkipTuning(TrainerX):
                 "(MODEL.BACKBONE); evaluate it with the settings of the run that made it"
             )
         super()._load_module_state(name, {**checkpoint, "state_dict": kept}, path)
-
-    # -- evaluation -----------------------------------------------------------------------
-    def before_test(self):
-        self._text_features = self.model.encode_text()
-
-    def after_test(self):
-        self._text_features = None
-
-    def model_outputs(self, image):
-        image_features = self.model.encode_image(image)
-        text_features = self.model.encode_text()
-        return ModelOutput(
-            image_features, text_features, self.model.logits(image_features, text_features)
-        )
-
-    def model_inference(self, image):
-        return self.model.logits(self.model.encode_image(image), self._text_features)
