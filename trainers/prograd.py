@@ -283,9 +283,8 @@ class ProGrad(PromptTrainer):
         "transfer": "vit_b16_ep50_ctxv1",
     }  # few-shot (not a grid protocol): vit_b16_ctxv1 (8/16 shots), rn50* as released
 
-    # the sharpness-aware optimizers it refuses and the reason the refusal gives (optim/prograd.py;
-    # tests/test_trainer_matrix.py checks each); ESAM's masked pass is refused too
-    REFUSED_OPTIMIZERS = {name: "adds a loss term of its own" for name in ("saf", "mesa")}
+    # optimizers with a loss term of their own (SAF, MESA) and ESAM's masked pass are refused by
+    # ProGradProjection.check_optimizer (optim/prograd.py), from what the optimizer does
     # one process: the projection needs both gradients all-reduced first (refused by
     # OptimizerStep.set_projection under data-parallel runs)
     DATA_PARALLEL = False
