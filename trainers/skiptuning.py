@@ -409,6 +409,15 @@ class SkipTuningCLIP(nn.Module):
         return self.logits(self.encode_image(images), self.encode_text())
 
 
+def per_item_record_optimizers() -> set[str]:
+    """The sharpness-aware optimizers that keep records per dataset item across epochs (they
+    need the items' indices: SAF), from what each declares (optim.sharpness.STEP_NEEDS)."""
+    from optim.build import list_optimizers
+    from optim.sharpness import INDEX
+
+    return {s.name for s in list_optimizers("sharpness") if INDEX in s.cls.STEP_NEEDS}
+
+
 @TRAINER_REGISTRY.register()
 class SkipTuning(TextOnceEvaluation, TrainerX):
     """Skip Tuning: the upper blocks of both CLIP towers fine-tuned on features of the frozen
@@ -489,10 +498,11 @@ class SkipTuning(TextOnceEvaluation, TrainerX):
         c = cfg.TRAINER.SKIP
         self.n_top = num_top_classes(self.model.n_cls, c.TOP_RATIO, c.MAX_TOP)
         self.skips_classes = not (c.TOP_RATIO == 1.0 or self.n_top == self.model.n_cls)
-        if self.skips_classes and cfg.OPTIM.SAM.NAME == "saf":
+        if self.skips_classes and cfg.OPTIM.SAM.NAME in per_item_record_optimizers():
             raise ConfigError(
-                "OPTIM.SAM.NAME saf with SkipTuning's class-wise skipping: SAF's trajectory term "
-                "compares an item's logits over the same classes across epochs, and each "
+                f"OPTIM.SAM.NAME {cfg.OPTIM.SAM.NAME} with SkipTuning's class-wise skipping: its "
+                "per-item records (SAF's trajectory term) compare an item's logits over the "
+                "same classes across epochs, and each "
                 "SkipTuning step has logits over its own subset of classes. Set "
                 "TRAINER.SKIP.TOP_RATIO 1.0 (every class in every step) or use another optimizer"
             )
