@@ -29,15 +29,18 @@ and by ``tests/test_results.py``. Known inconsistencies of the paper itself, kep
 - TCP's ImageNet source accuracy is 71.40 in the cross-dataset table and 71.20 in the domain
   generalization table; CoCoOp+SAMPLe's is printed "71,03" (read as 71.03).
 
-Trainers the SAMPLe paper does not have take their comparison column from their own papers:
-one CSV per source in ``experiments/published/`` (:func:`load_published_results`, read by
-:func:`paper_value` after this file), optimizer ``sgd`` for the published method row. They
+Trainers the SAMPLe paper does not have take their comparison column from their own papers (or
+later papers' reprints of them): one CSV per source in ``experiments/published/``
+(:func:`load_published_results`, read by :func:`paper_value` after this file), optimizer
+``sgd`` for the published method row. They
 hold DePT's tables (``dept.csv``: base-to-new per dataset, cross-dataset, domain
-generalisation), ProGrad's base-to-new average (``prograd.csv``: Zhu et al., ICCV 2023,
-ViT-B/16, 16 shots, the ProGrad row of KgCoOp's table, htyao89/KgCoOp readme: Base 82.48, New
-70.75, HM 76.16), MMRL's (``mmrl.csv``: Guo and Gu, CVPR 2025, Table 1: Base 85.68, New 77.16,
-HM 81.20) and SkipTuning's (``skiptuning.csv``: Wu et al., CVPR 2025, the base-to-new
-average HM over 11 datasets, ViT-B/16, 16 shots; per-dataset values not entered).
+generalisation), ProGrad's (``prograd.csv``: Zhu et al., ICCV 2023), MMRL's (``mmrl.csv``: Guo
+and Gu, CVPR 2025) and SkipTuning's (``skiptuning.csv``: Wu et al., CVPR 2025); all ViT-B/16,
+16 shots. Lines starting with ``#`` are comments: each file's header names where its numbers
+come from (SkipTuning's and ProGrad's: the tables in SkipTuning's README; MMRL's: the tables of
+later papers that print MMRL's rows) and which cells no source gives (absent, so ``None``).
+``tests/test_published.py`` checks every row's HM against its Base and New and the averages
+against the rows.
 
 The base-to-new "Average" cells among these are data too (:data:`AVERAGE_INCONSISTENCIES`, pinned
 by tests/test_repro.py against the CSV).
@@ -181,7 +184,8 @@ def load_paper_results(path: str = PAPER_CSV) -> dict[tuple[str, str, str, str, 
     """Read the paper's numbers.
 
     Args:
-        path: the CSV file (default: ``experiments/paper_results.csv``).
+        path: the CSV file (default: ``experiments/paper_results.csv``); lines starting with
+            ``#`` are comments (where the numbers come from), skipped.
 
     Returns:
         ``{(table, trainer, optimizer, dataset, metric): value}``.
@@ -191,8 +195,11 @@ def load_paper_results(path: str = PAPER_CSV) -> dict[tuple[str, str, str, str, 
     """
     out: dict[tuple[str, str, str, str, str], float] = {}
     with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        for lineno, row in enumerate(reader, start=2):
+        kept = [n for n, line in enumerate(f, start=1) if not line.startswith("#")]
+        f.seek(0)
+        reader = csv.DictReader(line for line in f if not line.startswith("#"))
+        for row in reader:
+            lineno = kept[reader.line_num - 1]  # the file's line number, comments counted
             try:
                 key = tuple(row[k] for k in ("table", "trainer", "optimizer", "dataset", "metric"))
                 value = float(row["value"])
