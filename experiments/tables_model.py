@@ -293,3 +293,4 @@ class Results:
     datasets: list[str]
     targets: dict[str, list[str]]
     pairs: list[Pair]
+    few_shot: tuple = ((), ())  # (datasets, shots) of the few-shot tables

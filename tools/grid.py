@@ -371,8 +371,8 @@ def setup_shots(grids, shots: list[int] | None) -> int:
     if shots and len(shots) > 1:
         raise GridError(
             f"--shots {' '.join(map(str, shots))}: several values are for the few_shot "
-            f"protocol only; {', '.join(sorted(protocols - {'few_shot'}))} take one value "
-            "(run the few-shot grid on its own)"
+            f"protocol only; the others ({', '.join(sorted(protocols - {'few_shot'}))}) take "
+            "one value (run the few-shot grid on its own)"
         )
     return shots[0] if shots else 16
 
