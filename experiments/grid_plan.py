@@ -98,6 +98,10 @@ DEPT_TRAINERS = ("DePT_CoOp", "DePT_CoCoOp", "DePT_KgCoOp", "DePT_MaPLe")
 PRESETS["dept-base2new"] = (SubGrid(("base2new",), DEPT_TRAINERS, OPTIMIZERS),)
 PRESETS["dept-transfer"] = (SubGrid(_TRANSFER, DEPT_TRAINERS, ("sgd", "sample")),)
 PRESETS["dept"] = PRESETS["dept-base2new"] + PRESETS["dept-transfer"]
+# CoOp's few-shot setting for the trainers with a published few-shot schedule (their
+# PROTOCOL_CFGS few_shot*; docs/running.md): 11 datasets x 1/2/4/8/16 shots x 3 seeds
+FEW_SHOT_TRAINERS = ("CoOp", "ProGrad", "PromptSRC", "MMRL", "SkipTuning")
+PRESETS["few-shot"] = (SubGrid(("few_shot",), FEW_SHOT_TRAINERS, ("sgd", "sample")),)
 AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
 AXES += ("shots",)
 

@@ -42,8 +42,9 @@ that config only); dataset = config stem of the TRAINING data (evaluation runs r
 training run's files, so a model is always rebuilt as it was trained); then
 ``--optim-config-file``: ``configs/optim/{trainer}/{optim}.yaml``, else
 ``configs/optim/{optim}.yaml``. Default configs per trainer are declared beside the trainer
-(``PROTOCOL_CFGS``: ``base2new``, ``base2new/<dataset>``, ``transfer``); the transfer protocols
-train with the trainer's ImageNet config unless its ``transfer`` entry names another.
+(``PROTOCOL_CFGS``: ``base2new``, ``base2new/<dataset>``, ``transfer``, ``few_shot``,
+``few_shot/<N>shots``, ``few_shot/<dataset>``); the transfer protocols train with the trainer's
+ImageNet config unless its ``transfer`` entry names another.
 """
 
 from __future__ import annotations

@@ -134,6 +134,9 @@ def test_few_shot_grid_selection_and_errors(capsys):
         grid.setup_from_args(grid.build_parser().parse_args(both))
     with pytest.raises(GridError, match="at least 1 shot"):
         grid.grids_from_args(grid.build_parser().parse_args([*both[:5], "--shots", "0"]))
+    (preset,) = select("few-shot", trainers=["CoOp", "MMRL"], shots=[1, 16], seeds=[4])
+    assert (preset.trainers, preset.shots, preset.seeds) == (("CoOp", "MMRL"), (1, 16), (4,))
+    assert len(expand(select("few-shot"), Setup())) == 5 * 2 * 11 * 5 * 3
     with pytest.raises(ProtocolError, match="folder of another protocol's runs"):
         few_shot_dir(Setup(), "my/evaluation.yaml", "CoOp", "vit_b16", 1, 1)
     assert grid.main(["--protocols", "few_shot", "--trainers", "CoOp", "--datasets", "dtd",
