@@ -3,6 +3,7 @@ report, and one end-to-end run of scripts/few_shot.sh on generated data and the 
 
 from __future__ import annotations
 
+import json
 import os
 import os.path as osp
 import subprocess
@@ -111,6 +112,13 @@ def test_imagenet_few_shot_run_is_the_transfer_training_when_the_configs_agree(t
     chains = {c.train.out_dir: c for c in expand(grids, setup)}
     shared = chains[str(tmp_path / "imagenet" / "KgCoOp" / "vit_b16_ep100_ctxv1_16shots" / "seed1")]
     assert shared.train.protocol == "few_shot" and [r.dataset for r in shared.evals] == ["dtd"]
+    # its result is both tables' cell: the few-shot ImageNet 16 shots and the transfer source
+    folders, kinds = make_tables.run_folders([shared])
+    assert {k: v[1] for k, v in folders.items()} == {
+        ("cross_dataset", "KgCoOp", "sgd", "imagenet", "acc"): shared.train.out_dir,
+        ("few_shot", "KgCoOp", "sgd", "imagenet", "16shots"): shared.train.out_dir,
+        ("cross_dataset", "KgCoOp", "sgd", "dtd", "acc"): shared.evals[0].out_dir,
+    }
     # MMRL: its few-shot and cross-dataset configs differ, so do the folders
     assert sum(c.train.trainer == "MMRL" for c in chains.values()) == 2
     # one folder, two experiments (MMRL's few-shot TASK FS): refused, not silently merged
@@ -159,6 +167,8 @@ def _fake_grid(out, seeds=(1, 2, 3)):
                     run = few_shot_chain(setup, "CoOp", optim, dataset, seed, shots).train
                     acc = 40 + 5 * shots + offset + seed / 10 + gain
                     write_run(run.out_dir, train_log(acc))
+                    cost = {"steps": 10 * shots, "train_time_s": shots * (2 if gain else 1)}
+                    write_run(run.out_dir, json.dumps(cost), "cost.json")
                     values[optim, dataset, shots, seed] = acc
     return values
 
@@ -198,6 +208,10 @@ def test_few_shot_tables_paired_differences_csv_and_report(tmp_path):
     average, _, eurosat = make_tables.build(_table_args(out)).tables
     assert eurosat.rows[0][1].complete is False and eurosat.rows[0][1].n == 2
     assert any("EuroSAT 1 shot: 2/3 seeds; no result seed3" in n for n in eurosat.notes)
+    # the cost of each row's 12 runs (2 datasets x 2 shots x 3 seeds), SAMPLe twice SGD's time
+    (cost,) = make_tables.build(_table_args(out, "--cost")).tables[3:]
+    ((_, sgd_time, sgd_ratio, *_), (_, _, ratio, _, _, runs, _)) = cost.rows
+    assert (sgd_time.value, sgd_ratio.value, ratio.value, runs.value) == (2.5, 1.0, 2.0, 12)
     page = render_report(results, str(tmp_path / "report"))
     assert 'alt="Few-shot: DTD bar chart"' in page and "Few-shot: average over 2 datasets" in page
     assert values["sample", "eurosat", 4, 1] == pytest.approx(72.1)
