@@ -22,6 +22,7 @@ Few-shot (``few_shot``, ``experiments/few_shot.py``): CoOp's setting, one traini
 dataset x shots x seed on all the classes, whose test at the end (the full test set) is the result;
 the folders of CoOp's and PromptSRC's few-shot scripts. ImageNet's 16-shot run is the transfer
 protocols' training run when both use the same config (the same experiment, one folder).
+
 A chain's ``variant`` (KEY VALUE options of one point of a sweep, see ``tools/grid.py``) is
 passed to all its runs and named in the tag (:func:`options_tag`: ``OPTIM.SAM.RHO 0.1`` ->
 ``rho0.1``; after the ``--tag``, if any: ``{tag}_rho0.1``), so sweep points never share a folder.
