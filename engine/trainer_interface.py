@@ -14,8 +14,13 @@ class TrainerInterface:
     CONFIG_NODE: str | None = None  # TRAINER.<node> of this trainer; default: registry name
     # The grid's default configs (configs/trainers/<name>/<cfg>.yaml; experiments/protocols.py):
     # "base2new", "base2new/<dataset>" (a dataset's own), "transfer" (default: base2new's
-    # ImageNet config). Not inherited: a subclass registered under its own name states its own
+    # ImageNet config), "few_shot", "few_shot/<N>shots", "few_shot/<dataset>" (default: the
+    # base2new config; experiments/few_shot.py). Not inherited: a subclass registered under its
+    # own name states its own
     PROTOCOL_CFGS: dict[str, str] = {}
+    # KEY VALUE options the grid gives a protocol's runs of this trainer, e.g. {"few_shot":
+    # ("TRAINER.MMRL.TASK", "FS")} (experiments/few_shot.py). Not inherited either
+    PROTOCOL_OPTS: dict[str, tuple[str, ...]] = {}
 
     @classmethod
     def add_config(cls, cfg) -> None:

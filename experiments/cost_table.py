@@ -23,21 +23,27 @@ COST_FORMATS = [".1f", ".2f", ".1f", ".0f", ".0f", ".0f"]
 SGD = "sgd"
 
 
-def _unit(table: str, dataset: str, seed: int) -> tuple:
-    # a transfer protocol's training run is shared by its tables (cross-dataset, domain gen)
+def _unit(table: str, dataset: str, seed: int, metric: str = "") -> tuple:
+    # a transfer protocol's training run is shared by its tables (cross-dataset, domain gen);
+    # a few-shot run is one per shots value (its metric, e.g. 4shots)
+    if table == "few_shot":
+        return (table, dataset, metric, seed)
     return ("base2new" if table == "base2new" else "transfer", dataset, seed)
 
 
 def training_costs(folders: dict, kinds: dict, row: tuple[str, str]) -> tuple[dict, int]:
     """``({unit: cost}, missing)``: the ``cost.json`` of ``row``'s training runs, keyed by
     (protocol, dataset, seed), and how many training runs have none."""
-    costs, missing = {}, set()
+    costs, missing, seen = {}, set(), set()
     for key, seeds in folders.items():
-        table, trainer, optim, dataset, _ = key
+        table, trainer, optim, dataset, metric = key
         if (trainer, optim) != row or kinds.get(key) != "train":
             continue
         for seed, folder in seeds.items():
-            unit = _unit(table, dataset, seed)
+            if folder in seen:  # ImageNet's 16-shot run may be the transfer training too
+                continue
+            seen.add(folder)
+            unit = _unit(table, dataset, seed, metric)
             cost = read_cost(folder)
             if cost and cost.get("steps"):
                 costs[unit] = cost

@@ -8,6 +8,7 @@ import itertools
 import os
 from dataclasses import dataclass, replace
 
+from experiments.few_shot import FEW_SHOTS, check_shots, few_shot_chain, merge_training
 from experiments.grid_exec import GridError
 from experiments.paper_results import (
     BASE2NEW_DATASETS,
@@ -21,6 +22,7 @@ from experiments.protocols import (
     REPRO_MODES,
     TARGETS,
     Chain,
+    ProtocolError,
     Setup,
     base2new_chain,
     transfer_chain,
@@ -33,6 +35,7 @@ class SubGrid:
 
     ``variants``: the points of a sweep, each a tuple of KEY VALUE options given to every run of
     a chain and named in its folder tag (``experiments/protocols.py``); ``((),)``: no sweep.
+    ``shots``: the shots of the ``few_shot`` protocol (the others take ``Setup.shots``).
     """
 
     protocols: tuple[str, ...]
@@ -43,6 +46,7 @@ class SubGrid:
     xd_targets: tuple[str, ...] = TARGETS["cross_dataset"]
     dg_targets: tuple[str, ...] = TARGETS["domain_gen"]
     variants: tuple[tuple[str, ...], ...] = ((),)
+    shots: tuple[int, ...] = FEW_SHOTS
 
 
 def sweep_variants(key: str, values) -> tuple[tuple[str, ...], ...]:
@@ -94,7 +98,12 @@ DEPT_TRAINERS = ("DePT_CoOp", "DePT_CoCoOp", "DePT_KgCoOp", "DePT_MaPLe")
 PRESETS["dept-base2new"] = (SubGrid(("base2new",), DEPT_TRAINERS, OPTIMIZERS),)
 PRESETS["dept-transfer"] = (SubGrid(_TRANSFER, DEPT_TRAINERS, ("sgd", "sample")),)
 PRESETS["dept"] = PRESETS["dept-base2new"] + PRESETS["dept-transfer"]
+# CoOp's few-shot setting for the trainers with a published few-shot schedule (their
+# PROTOCOL_CFGS few_shot*; docs/running.md): 11 datasets x 1/2/4/8/16 shots x 3 seeds
+FEW_SHOT_TRAINERS = ("CoOp", "ProGrad", "PromptSRC", "MMRL", "SkipTuning")
+PRESETS["few-shot"] = (SubGrid(("few_shot",), FEW_SHOT_TRAINERS, ("sgd", "sample")),)
 AXES = ("protocols", "trainers", "optims", "datasets", "seeds", "xd_targets", "dg_targets")
+AXES += ("shots",)
 
 
 # -- grid expansion ---------------------------------------------------------------------------
@@ -119,6 +128,11 @@ def select(preset: str | None, **axes) -> list[SubGrid]:
     given = {k: tuple(v) for k, v in axes.items() if v}
     if "seeds" in given:
         given["seeds"] = check_seeds(given["seeds"])
+    if "shots" in given:
+        try:
+            given["shots"] = check_shots(given["shots"])
+        except ProtocolError as e:
+            raise GridError(str(e)) from None
     if preset is None:
         if "trainers" not in given:
             raise GridError("Choose a --preset or give --trainers (e.g. --trainers CoOp)")
@@ -129,11 +143,12 @@ def select(preset: str | None, **axes) -> list[SubGrid]:
     grids = []
     for grid in PRESETS[preset]:
         sub = {k: tuple(x for x in getattr(grid, k) if x in given[k]) for k in given}
-        if "seeds" in given:  # any seed list, not only the preset's seeds
-            sub["seeds"] = given["seeds"]
+        for axis in ("seeds", "shots"):  # any seeds and shots, not only the preset's
+            if axis in given:
+                sub[axis] = given[axis]
         grids.append(replace(grid, **sub))
     kept = [g for g in grids if all(getattr(g, k) for k in ("protocols", "trainers", "optims"))]
-    kept = [g for g in kept if g.datasets or "base2new" not in g.protocols]
+    kept = [g for g in kept if g.datasets or not {"base2new", "few_shot"} & set(g.protocols)]
     if not kept:
         offered = {
             k: sorted({x for g in PRESETS[preset] for x in getattr(g, k)}, key=str) for k in given
@@ -152,6 +167,7 @@ def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
 
     def add(chain: Chain) -> None:
         have = chains.setdefault(chain.train.out_dir, Chain(chain.train))
+        merge_training(have, chain)  # ImageNet: a few-shot run and the transfer training
         known = {r.out_dir for r in have.evals}
         have.evals += [r for r in chain.evals if r.out_dir not in known]
 
@@ -171,6 +187,11 @@ def expand(grids: list[SubGrid], setup: Setup) -> list[Chain]:
             if targets:
                 for seed in grid.seeds:
                     add(transfer_chain(setup, trainer, optim, seed, targets, variant))
+            if "few_shot" in grid.protocols:
+                for dataset, shots, seed in itertools.product(
+                    grid.datasets, grid.shots, grid.seeds
+                ):
+                    add(few_shot_chain(setup, trainer, optim, dataset, seed, shots, variant))
     return list(chains.values())
 
 

@@ -8,6 +8,7 @@ component (``{cfg}`` -> ``{cfg}+{optim}``; plain ``sgd`` runs keep CoOp's exact 
                 OUTPUT/base2new/test_new/{dataset}/shots_{S}/{trainer}/{cfg}[+{optim}]/seed{n}
     transfer:   OUTPUT/imagenet/{trainer}/{cfg}[+{optim}]_{S}shots/seed{n}          (training)
                 OUTPUT/evaluation/{trainer}/{cfg}[+{optim}]_{S}shots/{target}/seed{n}
+    few_shot:   OUTPUT/{dataset}/{trainer}/{cfg}[+{optim}]_{S}shots/seed{n}        (training)
 
 Cross-dataset (10 targets) and domain generalization (4 ImageNet variants) evaluate the same
 ImageNet training runs. A ``tag`` (for runs whose extra options change the experiment, e.g. a
@@ -16,6 +17,12 @@ The reproduction mode (``Setup.repro``, docs/reproducing.md): ``paper`` runs kee
 folders above; ``released`` runs (``train.py --repro released``) carry the tag ``released``
 first (``{cfg}+{optim}-released``, sgd runs too: ``{cfg}+sgd-released``), so the two modes
 never share a folder or a table cell.
+
+Few-shot (``few_shot``, ``experiments/few_shot.py``): CoOp's setting, one training run per
+dataset x shots x seed on all the classes, whose test at the end (the full test set) is the result;
+the folders of CoOp's and PromptSRC's few-shot scripts. ImageNet's 16-shot run is the transfer
+protocols' training run when both use the same config (the same experiment, one folder).
+
 A chain's ``variant`` (KEY VALUE options of one point of a sweep, see ``tools/grid.py``) is
 passed to all its runs and named in the tag (:func:`options_tag`: ``OPTIM.SAM.RHO 0.1`` ->
 ``rho0.1``; after the ``--tag``, if any: ``{tag}_rho0.1``), so sweep points never share a folder.
@@ -36,8 +43,9 @@ that config only); dataset = config stem of the TRAINING data (evaluation runs r
 training run's files, so a model is always rebuilt as it was trained); then
 ``--optim-config-file``: ``configs/optim/{trainer}/{optim}.yaml``, else
 ``configs/optim/{optim}.yaml``. Default configs per trainer are declared beside the trainer
-(``PROTOCOL_CFGS``: ``base2new``, ``base2new/<dataset>``, ``transfer``); the transfer protocols
-train with the trainer's ImageNet config unless its ``transfer`` entry names another.
+(``PROTOCOL_CFGS``: ``base2new``, ``base2new/<dataset>``, ``transfer``, ``few_shot``,
+``few_shot/<N>shots``, ``few_shot/<dataset>``); the transfer protocols train with the trainer's
+ImageNet config unless its ``transfer`` entry names another.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from experiments.results import read_run
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CHECK_DATA_TOOL = osp.join(REPO, "tools", "check_data.py")  # the datasets' checker
-PROTOCOLS = ("base2new", "cross_dataset", "domain_gen")
+PROTOCOLS = ("base2new", "cross_dataset", "domain_gen", "few_shot")
 TARGETS = TARGETS_BY_TABLE
 SOURCE_DATASET = "imagenet"
 
@@ -124,13 +132,18 @@ class Setup:
         if self.repro not in REPRO_MODES:
             raise ProtocolError(f"Reproduction mode {self.repro!r}: one of {REPRO_MODES}")
 
-    def cfg_for(self, protocol: str, trainer: str, dataset: str) -> str:
-        """The trainer config of a training run."""
+    def cfg_for(self, protocol: str, trainer: str, dataset: str, shots: int | None = None) -> str:
+        """The trainer config of a training run (``few_shot``: of ``shots`` shots per class, its
+        order in ``experiments/few_shot.py``)."""
         override = dict(self.cfgs).get(trainer)
         if override:
             return override
         declared = trainer_cfgs(trainer, self.plugins)
-        if protocol != "base2new":
+        if protocol == "few_shot":
+            for key in (f"few_shot/{dataset}", f"few_shot/{shots}shots", "few_shot"):
+                if declared.get(key):
+                    return declared[key]
+        elif protocol != "base2new":
             dataset = SOURCE_DATASET
             cfg = declared.get("transfer")
             if cfg:
@@ -149,7 +162,7 @@ class Run:
     """One train.py invocation.
 
     Attributes:
-        protocol: ``base2new``, ``cross_dataset`` or ``domain_gen``.
+        protocol: ``base2new``, ``cross_dataset``, ``domain_gen`` or ``few_shot``.
         stage: ``train`` or ``eval`` (``--eval-only`` on ``model_dir``).
         trainer, cfg, optim: the method, its config name and the optimizer setting.
         dataset: config stem of the data this run trains or evaluates on.
@@ -161,6 +174,7 @@ class Run:
         protocol_opts: KEY VALUE options the protocol sets (the variant's included).
         variant: KEY VALUE options of a sweep point (named in the folder's tag).
         repro: the reproduction mode (``train.py --repro``; named in the folder's tag).
+        shots: ``few_shot`` runs: the training shots per class (named in the label).
     """
 
     protocol: str
@@ -177,6 +191,7 @@ class Run:
     protocol_opts: tuple[str, ...] = ()
     variant: tuple[str, ...] = ()
     repro: str = "paper"
+    shots: int = 0
 
     @property
     def label(self) -> str:
@@ -186,7 +201,9 @@ class Run:
         variant += f" [{self.repro}]" if self.repro != "paper" else ""
         return (
             f"{self.trainer}{'' if self.optim == 'sgd' else '+' + self.optim}{variant} "
-            f"{self.protocol} {what} {self.dataset} seed{self.seed}"
+            f"{self.protocol} {what} {self.dataset}"
+            + (f" {self.shots}shots" if self.protocol == "few_shot" else "")
+            + f" seed{self.seed}"
         )
 
     def command(self, setup: Setup, load_epoch: int | str | None = None) -> list[str]:

@@ -8,7 +8,7 @@
   first with ``--zeroshot``): bars are seed means on a y-axis from 0, the black whiskers the seed
   range (min to max), dots the single seeds, white diamonds the paper's numbers
   (``experiments/paper_results.py``); the same for the cross-dataset and domain generalization
-  columns;
+  columns, and per few-shot dataset one bar per method and shots value;
 - the result tables (as ``make_tables.py`` prints them, paper columns only where the paper has
   numbers) with their notes; the legend explains only what the page holds;
 - every run behind the numbers with a relative link to its log file.
@@ -28,6 +28,7 @@ import os
 import os.path as osp
 import urllib.parse
 
+from experiments.few_shot import shots_metric, shots_title
 from experiments.paper_results import paper_value, row_title
 from experiments.plotting import color_of, pyplot
 from experiments.protocols import SOURCE_DATASET, dataset_title
@@ -241,8 +242,9 @@ def runs_html(results: Results, out_dir: str) -> str:
 
 
 def _value_charts(results: Results) -> tuple[list[str], bool]:
-    """Bar charts: each base-to-new dataset (and the average's datasets), each transfer table;
-    and whether any of them draws a paper's number."""
+    """Bar charts: each base-to-new dataset (and the average's datasets), each transfer table,
+    each few-shot dataset (a group per shots value); and whether any of them draws a paper's
+    number."""
     figures = []
     for d in results.datasets:
         groups = [("Base", d, "base"), ("New", d, "new"), ("HM", d, "hm")]
@@ -256,6 +258,11 @@ def _value_charts(results: Results) -> tuple[list[str], bool]:
         if len(cols) > 1:
             groups_ = [(dataset_title(c), c, "acc") for c in cols]
             figures.append((bar_figure(results, table, results.rows, groups_, name), name))
+    fs_datasets, shots = results.few_shot
+    for d in fs_datasets:
+        groups = [(shots_title(s), d, shots_metric(s)) for s in shots]
+        title = f"Few-shot: {dataset_title(d)}"
+        figures.append((bar_figure(results, "few_shot", results.rows, groups, title), title))
     parts = [chart(fig, f"{title} bar chart") for (fig, _), title in figures if fig is not None]
     return parts, any(paper for (_, paper), _ in figures)
 

@@ -256,11 +256,12 @@ def legend(tables: list[Table], mark: str = MARK, std: bool = False) -> list[str
     diffs = [t.diffs for t in tables if t.diffs is not None]
     dcells = [c for t in diffs for r in t.rows for c in r[1:] if c.diff is not None]
     if dcells:
-        wilcoxon = "p: Wilcoxon over datasets, average rows; " * any(
+        notes = ["p: Wilcoxon over datasets, average rows"] * any(
             c.diff.p is not None for c in dcells
         )
+        notes += ["HM: of each seed's Base and New"] * any(t.name == "base2new" for t in diffs)
         lines.append(
-            f"differences: a - b [interval] ({wilcoxon}HM: of each seed's Base and New); "
+            "differences: a - b [interval]" + (f" ({'; '.join(notes)})" if notes else "") + "; "
             f"{mark} = the interval contains 0: not resolved by the seeds"
         )
         lines.append(describe_methods(averages=any(c.diff.method != "t" for c in dcells)))
@@ -293,3 +294,4 @@ class Results:
     datasets: list[str]
     targets: dict[str, list[str]]
     pairs: list[Pair]
+    few_shot: tuple = ((), ())  # (datasets, shots) of the few-shot tables

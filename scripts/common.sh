@@ -1,4 +1,4 @@
-# Shared by base2new.sh, cross_dataset.sh and domain_gen.sh (sourced, not run).
+# Shared by base2new.sh, cross_dataset.sh, domain_gen.sh and few_shot.sh (sourced, not run).
 #
 # The scripts turn environment variables into a tools/grid.py command and run it: grid.py prints
 # the runs and their folders, fetches the configured CLIP weights once (downloaded into
@@ -11,7 +11,7 @@
 #   TRAINER  [CoOp]    one or more trainers, space-separated (CoOp CoCoOp MaPLe CoPrompt TCP)
 #   OPTIM    [sample]  one or more of sgd sam fsam sagm sample (sgd = the trainer's own optimizer)
 #   CFG      [the trainer's paper config]  a name in configs/trainers/<TRAINER>/ (one trainer)
-#   SEEDS    [1 2 3]   SHOTS [16]   OUTPUT [output]
+#   SEEDS    [1 2 3]   SHOTS [16; few_shot.sh: 1 2 4 8 16]   OUTPUT [output]
 #   TAG      []        folder suffix for runs whose extra options change the experiment
 #   REPRO    [paper]   reproduction mode, the same default as train.py and the demo: paper (the
 #                      method as the paper writes it; CoOp's folders), released (the SAMPLe
@@ -43,7 +43,8 @@ run_grid() {
   local axes=()
   # shellcheck disable=SC2206  # TRAINER/OPTIM/SEEDS are space-separated lists
   axes+=(--trainers ${TRAINER:-CoOp} --optims ${OPTIM:-sample} --seeds ${SEEDS:-1 2 3})
-  axes+=(--shots "${SHOTS:-16}" --output "${OUTPUT:-output}")
+  # shellcheck disable=SC2206  # SHOTS: one value, or several for few_shot.sh
+  axes+=(--shots ${SHOTS:-16} --output "${OUTPUT:-output}")
   if [[ -n "${CFG:-}" ]]; then axes+=(--cfg "$CFG"); fi
   if [[ -n "${TAG:-}" ]]; then axes+=(--tag "$TAG"); fi
   # shellcheck disable=SC2206  # REPRO may name both modes

@@ -47,6 +47,7 @@ REPO_DIRS += ("tools", "trainers")
 REPO_FILES = ("train.py", "requirements.txt", "pyproject.toml", "README.md")
 # the protocol scripts hand their --options to tools/grid.py
 GRID_SCRIPTS = ("scripts/base2new.sh", "scripts/cross_dataset.sh", "scripts/domain_gen.sh")
+GRID_SCRIPTS += ("scripts/few_shot.sh",)
 BLOCK_TIMEOUT_S = 120
 
 

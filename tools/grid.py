@@ -1,8 +1,9 @@
 """Expand an experiment grid into runs and execute the unfinished ones.
 
 A grid is trainers x optimizers x datasets x seeds x protocols (``base2new``,
-``cross_dataset``, ``domain_gen``); presets hold the paper's grids. Runs are grouped in chains
-(a training run, then the evaluations of its model) and a chain is the unit of scheduling:
+``cross_dataset``, ``domain_gen``, ``few_shot``: x shots); presets hold the paper's grids. Runs
+are grouped in chains (a training run, then the evaluations of its model) and a chain is the unit
+of scheduling:
 
 - locally, one chain after another (train.py's output streams to the terminal);
 - ``--gpus 0,1,2,3`` (or ``auto``): one worker per GPU (``CUDA_VISIBLE_DEVICES``), each run's
@@ -38,6 +39,8 @@ Examples::
     python tools/grid.py --preset efficient --trainers CoOp --dry-run   # LookSAM, ESAM, SAF, ...
     python tools/grid.py --preset sweep-rho --trainers CoOp --datasets dtd \
         --sweep OPTIM.SAM.RHO 0.02 0.1 --data DATA   # own values; tools/plot_sweep.py plots them
+    python tools/grid.py --protocols few_shot --trainers CoOp --optims sgd sample \
+        --datasets dtd eurosat --shots 1 2 4 8 16 --data DATA   # CoOp's few-shot curve
 
 Datasets (``--datasets``, ``--xd-targets``) are config stems of ``configs/datasets/``,
 ``folder:NAME`` (your own images in ``DATA/NAME``, ``DATASET.NAME Folder``) or paths of dataset
@@ -286,8 +289,8 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--datasets",
         nargs="+",
-        help="base-to-new datasets (default: the 11): config stems, folder:NAME for your own "
-        "images in DATA/NAME, or a dataset config file PATH.yaml",
+        help="base-to-new and few-shot datasets (default: the 11): config stems, folder:NAME for "
+        "your own images in DATA/NAME, or a dataset config file PATH.yaml",
     )
     g.add_argument("--seeds", nargs="+", type=int, help="any seeds >= 0 (default: 1 2 3)")
     g.add_argument(
@@ -310,7 +313,13 @@ def add_grid_args(parser: argparse.ArgumentParser) -> None:
     )
     lay = parser.add_argument_group("layout")
     lay.add_argument("--output", default=os.environ.get("OUTPUT") or "output", help="output root")
-    lay.add_argument("--shots", type=int, default=16, help="training shots per class")
+    lay.add_argument(
+        "--shots",
+        type=int,
+        nargs="+",
+        help="training shots per class: base2new, cross_dataset and domain_gen take one value "
+        "(default 16); few_shot one or more (default 1 2 4 8 16)",
+    )
     lay.add_argument("--tag", default="", help="suffix of the optimizer folder component")
     lay.add_argument(
         "--repro",
@@ -348,10 +357,31 @@ def grids_from_args(args) -> list[SubGrid]:
     return apply_sweep(grids, getattr(args, "sweep", None))
 
 
+def setup_shots(grids, shots: list[int] | None) -> int:
+    """``Setup.shots``: the one ``--shots`` value of base2new and the transfer protocols (16
+    without one); for a grid of only ``few_shot``, its largest shots (what the data check
+    checks).
+
+    Raises:
+        GridError: several values for a grid with another protocol than few_shot.
+    """
+    protocols = {p for g in grids for p in g.protocols}
+    if protocols == {"few_shot"}:
+        return max(s for g in grids for s in g.shots)
+    if shots and len(shots) > 1:
+        raise GridError(
+            f"--shots {' '.join(map(str, shots))}: several values are for the few_shot "
+            f"protocol only; the others ({', '.join(sorted(protocols - {'few_shot'}))}) take "
+            "one value (run the few-shot grid on its own)"
+        )
+    return shots[0] if shots else 16
+
+
 def setup_from_args(args, opts: list[str] | None = None) -> Setup:
     from engine.plugins import absolute_spec  # a run may start elsewhere: files by full path
 
-    trainers = {t for g in grids_from_args(args) for t in g.trainers}
+    grids = grids_from_args(args)
+    trainers = {t for g in grids for t in g.trainers}
     cfgs = {}
     for item in args.cfg:
         trainer, sep, cfg = item.rpartition("=")
@@ -365,7 +395,7 @@ def setup_from_args(args, opts: list[str] | None = None) -> Setup:
     return Setup(
         data=getattr(args, "data", "") or "",
         output=args.output,
-        shots=args.shots,
+        shots=setup_shots(grids, args.shots),
         tag=args.tag,
         opts=tuple(opts or ()),
         cfgs=tuple(sorted(cfgs.items())),

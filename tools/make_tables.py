@@ -7,6 +7,10 @@ Tables (``--tables``; default: every table that has runs):
   of the averaged Base and New (``--avg-hm mean-of-hms`` averages the per-dataset HMs instead).
 - ``cross_dataset`` and ``domain_gen``: source ImageNet, the targets and their average.
 - ``ablation``: the paper's term-wise ablation (CoPrompt averages for sgd/sam/sagm/sample).
+- ``few_shot``: CoOp's few-shot setting (``--protocols few_shot``): one panel per dataset and the
+  average over the grid's datasets; rows trainer x optimizer, columns the shots (``1 shot`` ...
+  ``16 shots``), each the seed mean of the training runs' final test (all classes). No published
+  few-shot numbers are compared (there is no paper column).
 
 The runs are those of a grid given as to ``tools/grid.py`` (default ``--preset paper``; rows
 without any run folder are left out unless ``--show-empty``). A mean over fewer seeds than the
@@ -16,16 +20,16 @@ grid's ``--seeds`` are used too (every seed found counts); each table's heading 
 seeds its cells have. The paper's numbers come from ``experiments/paper_results.csv``; they are
 compared only where the grid's datasets/targets are the paper's.
 
-Paired comparisons (``experiments/stats.py``): under each base-to-new, cross-dataset and domain
-generalisation table, the difference a - b of two methods per column, over the seeds both have
-(same seed, same few-shot draw), with a 95% Student-t interval; the average row/column has a 95%
-bootstrap interval over dataset x seed and the p-value of a Wilcoxon signed-rank test over
+Paired comparisons (``experiments/stats.py``): under each base-to-new, cross-dataset, domain
+generalisation and few-shot table, the difference a - b of two methods per column, over the seeds
+both have (same seed, same few-shot draw), with a 95% Student-t interval; the average row/column has
+a 95% bootstrap interval over dataset x seed and the p-value of a Wilcoxon signed-rank test over
 datasets. A difference whose interval contains 0 is marked ``†`` (not resolved by the seeds).
 Default pairs: each sharpness-aware row against its trainer's base-optimizer (``sgd``) row;
-``--compare A B`` (repeatable) picks any two methods; ``--seeds-needed [DELTA]`` adds how many
-seeds would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML
-report (``experiments/report.py``). ``--zeroshot DIR`` adds the zero-shot CLIP row (the baseline) to
-the base-to-new tables from ``--eval-only`` runs of the ``ZeroshotCLIP`` trainer in
+``--compare A B`` (repeatable) picks any two methods; ``--seeds-needed [DELTA]`` adds how many seeds
+would resolve the observed difference (or DELTA points). ``--report DIR`` writes an HTML report
+(``experiments/report.py``). ``--zeroshot DIR`` adds the zero-shot CLIP row (the baseline) to the
+base-to-new tables from ``--eval-only`` runs of the ``ZeroshotCLIP`` trainer in
 ``DIR/{base,new}/seed<N>`` (one dataset; ``DIR/<dataset>/{base,new}/seed<N>`` for several), the
 layout ``scripts/demo.sh`` writes.
 
@@ -65,6 +69,7 @@ if __package__ in (None, ""):  # run as a script
     import _repo  # noqa: F401
 
 from experiments.cost_table import cost_table  # noqa: E402
+from experiments.few_shot import shots_metric, shots_title  # noqa: E402
 from experiments.grid_plan import expand_modes  # noqa: E402
 from experiments.paper_results import (  # noqa: E402
     BASE2NEW_DATASETS,
@@ -111,7 +116,7 @@ from experiments.tables_model import (  # noqa: E402
 )
 from tools.grid import GridError, add_grid_args, grids_from_args, setup_from_args  # noqa: E402
 
-TABLE_NAMES = ("base2new", "cross_dataset", "domain_gen", "ablation")
+TABLE_NAMES = ("base2new", "cross_dataset", "domain_gen", "ablation", "few_shot")
 FORMATS = ("terminal", "markdown", "csv", "latex")
 ABLATION_ROWS = (
     ("sgd", "L"),
@@ -147,8 +152,12 @@ def run_folders(
             if run.protocol == "base2new":
                 keys = [("base2new", run.dataset, "base" if run.stage == "train" else "new")]
             elif run.stage == "train":
-                tables = {r.protocol for r in chain.evals} or {run.protocol}
+                tables = {r.protocol for r in chain.evals}
                 keys = [(t, SOURCE_DATASET, "acc") for t in sorted(tables)]
+                if run.protocol == "few_shot":  # ImageNet's may be the transfer training too
+                    keys.append(("few_shot", run.dataset, shots_metric(run.shots)))
+                elif not keys:
+                    keys = [(run.protocol, SOURCE_DATASET, "acc")]
             else:
                 keys = [(run.protocol, run.dataset, "acc")]
             for table, dataset, metric in keys:
@@ -363,9 +372,12 @@ def _common_seeds(stats, pair: Pair, table: str, metrics):
     return seeds_of
 
 
-def average_diffs(stats, pair: Pair, table: str, datasets, statistics_: list) -> list[DiffCell]:
-    """Across-dataset differences (bootstrap over dataset x seed, Wilcoxon over datasets)."""
-    metrics = ("base", "new") if table == "base2new" else ("acc",)
+def average_diffs(
+    stats, pair: Pair, table: str, datasets, statistics_: list, metrics=None
+) -> list[DiffCell]:
+    """Across-dataset differences (bootstrap over dataset x seed, Wilcoxon over datasets) of
+    ``metrics`` (default: base and new in base-to-new, else acc)."""
+    metrics = metrics or (("base", "new") if table == "base2new" else ("acc",))
     seeds_of = _common_seeds(stats, pair, table, metrics)
     if any(not seeds_of(d) for d in datasets):
         return [DiffCell(None) for _ in statistics_]
@@ -408,6 +420,75 @@ def add_transfer_diffs(table: Table, stats, pairs, targets, delta) -> None:
         return out + [("average", "acc", avg)]
 
     table.diffs = _diff_table(table, pairs, cells_of, table.headers[1:])
+
+
+# -- few-shot ---------------------------------------------------------------------------------
+def few_shot_tables(stats, rows, datasets, shots) -> list[Table]:
+    """The average panel (several datasets), then one panel per dataset that has runs: rows
+    trainer x optimizer, one column per shots value."""
+    headers = ["Method", *(shots_title(s) for s in shots)]
+    metrics = [shots_metric(s) for s in shots]
+    panels = []
+    per_row = {}
+    for d in datasets:
+        title = dataset_title(d)
+        panel = Table("few_shot", f"Few-shot: {title}", headers)
+        for row in rows:
+            cells = [
+                Cell.of(stats.get(("few_shot", *row, d, m)), None, f"{title} {shots_title(s)}")
+                for s, m in zip(shots, metrics)
+            ]
+            per_row.setdefault(row, []).append(cells)
+            if _has_runs(stats, "few_shot", row, [d]):
+                panel.add(row_title(*row), *row, list(zip([d] * len(shots), metrics, cells)))
+        panels += [panel] if panel.rows else []
+    if len(datasets) == 1:
+        return panels
+    average = Table("few_shot", f"Few-shot: average over {len(datasets)} datasets", headers)
+    for row in rows:
+        if not _has_runs(stats, "few_shot", row, datasets):
+            continue
+        cells = [
+            _average([c[i] for c in per_row[row]], f"average {shots_title(s)}")
+            for i, s in enumerate(shots)
+        ]
+        average.add(row_title(*row), *row, list(zip(["average"] * len(shots), metrics, cells)))
+    return ([average] if average.rows else []) + panels
+
+
+def add_few_shot_diffs(panels, stats, pairs, datasets, shots, delta) -> None:
+    """Attach the paired comparisons to the few-shot panels: per dataset a t-interval over the
+    seeds both methods have per shots value; the average panel bootstrap and Wilcoxon over
+    the datasets (as the other tables' average rows)."""
+    by_title = {f"Few-shot: {dataset_title(d)}": d for d in datasets}
+    metrics = [shots_metric(s) for s in shots]
+    for panel in panels:
+        dataset = by_title.get(panel.title)
+
+        def cells_of(pair, dataset=dataset):
+            out = []
+            for m in metrics:
+                if dataset is None:  # the average panel
+                    (cell,) = average_diffs(stats, pair, "few_shot", datasets, [mean_of(0)], (m,))
+                    out.append(("average", m, cell))
+                    continue
+                a = _values(stats, ("few_shot", *pair.a, dataset, m))
+                b = _values(stats, ("few_shot", *pair.b, dataset, m))
+                diff = paired_diff(a, b)
+                out.append((dataset, m, DiffCell(diff, _needed(diff, delta))))
+            return out
+
+        panel.diffs = _diff_table(panel, pairs, cells_of, panel.headers[1:])
+
+
+def few_shot_axes(grids) -> tuple[list[str], list[int]]:
+    """``(datasets, shots)`` of the grid's ``few_shot`` sub-grids, in order."""
+    datasets, shots = [], []
+    for g in grids:
+        if "few_shot" in g.protocols:
+            datasets += [d for d in g.datasets if d not in datasets]
+            shots += [s for s in g.shots if s not in shots]
+    return datasets, shots
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -546,11 +627,18 @@ def build(args) -> Results:
         if table in wanted and targets[table] and rows:
             tables.append(transfer_table(stats, rows, table, targets[table]))
             add_transfer_diffs(tables[-1], stats, pairs, targets[table], delta)
+    fs_datasets, shots = few_shot_axes(grids)
+    fs_rows = rows_of("few_shot", fs_datasets)
+    if "few_shot" in wanted and fs_datasets and fs_rows:
+        panels = few_shot_tables(stats, fs_rows, fs_datasets, shots)
+        add_few_shot_diffs(panels, stats, pairs, fs_datasets, shots, delta)
+        tables += panels
     if getattr(args, "cost", False) or getattr(args, "report", None):  # the report always has it
         cost = cost_table(folders, kinds, [r for r in grid_rows if any(k[1:3] == r for k in stats)])
         tables += [cost] if cost else []
     rows = [ZERO_SHOT, *grid_rows] if ZERO_SHOT in b2n_rows else grid_rows  # the report's
-    return Results(tables, stats, folders, rows, datasets, targets, pairs)
+    few_shot = (fs_datasets, shots) if fs_rows else ((), ())
+    return Results(tables, stats, folders, rows, datasets, targets, pairs, few_shot)
 
 
 def zeroshot_runs(folder: str | None, datasets: list[str]) -> dict[tuple[str, str], dict]:

@@ -188,6 +188,13 @@ class CoOp(PromptTrainer):
     PROTOCOL_CFGS = {
         "base2new": "vit_b16_ctxv1",
         "base2new/imagenet": "vit_b16_ep50_ctxv1",
+        # CoOp's few-shot setting (its COOP.md): 16 context vectors, class token at the end;
+        # 50 epochs for 1 shot, 100 for 2 and 4, 200 for 8 and 16; ImageNet 50 for all
+        "few_shot": "vit_b16",
+        "few_shot/1shots": "vit_b16_ep50",
+        "few_shot/2shots": "vit_b16_ep100",
+        "few_shot/4shots": "vit_b16_ep100",
+        "few_shot/imagenet": "vit_b16_ep50",
     }
 
     add_config = staticmethod(add_coop_config)

@@ -342,7 +342,10 @@ class MMRL(TrainerX):
         "base2new": "vit_b16",
         "base2new/imagenet": "vit_b16_imagenet",
         "transfer": "vit_b16_cross_datasets",
+        "few_shot": "vit_b16_few_shot",  # MMRL's few_shot.sh: ImageNet's config with TASK FS
+        "few_shot/imagenet": "vit_b16_imagenet",
     }
+    PROTOCOL_OPTS = {"few_shot": ("TRAINER.MMRL.TASK", "FS")}
 
     add_config = staticmethod(add_mmrl_config)
     model_name = "MultiModalRepresentationLearner"  # checkpoint folder, as in MMRL's code

@@ -281,7 +281,15 @@ class ProGrad(PromptTrainer):
         "base2new": "vit_b16_ep100_ctxv1",
         "base2new/imagenet": "vit_b16_ep50_ctxv1",
         "transfer": "vit_b16_ep50_ctxv1",
-    }  # few-shot (not a grid protocol): vit_b16_ctxv1 (8/16 shots), rn50* as released
+        # its README's few-shot schedule (CoOp's): 50 epochs for 1 shot, 100 for 2 and 4, 200
+        # for 8 and 16 (LAMBDA 0.8 on DTD, EuroSAT, Flowers102: the vit_b16_ctxv1_<dataset>
+        # overlays); ImageNet: CoOp's 50 epochs for all shots (the README names none)
+        "few_shot": "vit_b16_ctxv1",
+        "few_shot/1shots": "vit_b16_ep50_ctxv1",
+        "few_shot/2shots": "vit_b16_ep100_ctxv1",
+        "few_shot/4shots": "vit_b16_ep100_ctxv1",
+        "few_shot/imagenet": "vit_b16_ep50_ctxv1",
+    }  # RN50: rn50, rn50_ep100, rn50_ep50 as released (--cfg)
 
     # optimizers with a loss term of their own (SAF, MESA) and ESAM's masked pass are refused by
     # ProGradProjection.check_optimizer (optim/prograd.py), from what the optimizer does

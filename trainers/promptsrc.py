@@ -217,6 +217,7 @@ class PromptSRC(IVLP):
     PROTOCOL_CFGS = {
         "base2new": "vit_b16_c2_ep20_batch4_4x4ctx",
         "transfer": "vit_b16_c2_ep5_batch4_4x4ctx_cross_datasets",
+        "few_shot": "vit_b16_c2_ep50_batch4_4x4ctx_few_shot",  # GPA N(45, 5): per-dataset files
     }
 
     add_config = staticmethod(add_promptsrc_config)

@@ -428,6 +428,7 @@ class SkipTuning(TextOnceEvaluation, TrainerX):
     PROTOCOL_CFGS = {
         "base2new": "vit_b16_bs4",
         "transfer": "vit_b16_bs4_cross_datasets",
+        "few_shot": "vit_b16_bs4_few_shot",
     }
 
     add_config = staticmethod(add_skiptuning_config)
