@@ -22,7 +22,7 @@ from engine import build_trainer
 from engine.errors import ConfigError
 from optim import SAM, build_optimizer
 from optim.errors import OptimConfigError
-from optim.prograd import ProGradProjection, guided, project_conflicting
+from optim.prograd import ProGradProjection, guide_of, guided, project_conflicting
 from optim.step import OptimizerStep, StepBatch
 
 REFERENCE = osp.join(ROOT, "tests", "reference", "prograd.pt")
@@ -355,7 +355,7 @@ def _small_world_drift(opts: list[str], steps: int = 8) -> tuple[float, float, t
         if trainer.batch_idx == 0:
             inputs = trainer.prepare_step((x[i], y[i]))
             loss, _ = trainer.compute_loss(inputs)
-            kl_grad = torch.autograd.grad(loss._prograd_guide, ctx)[0]
+            kl_grad = torch.autograd.grad(guide_of(loss), ctx)[0]
         trainer.forward_backward({"img": x[i], "label": y[i]})
     return float((ctx.detach() - start).norm()), gap, kl_grad
 
