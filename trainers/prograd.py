@@ -230,6 +230,17 @@ class ProGradCLIP(FrozenImageCLIP):
             csc=node.CSC,
             class_token_position=node.CLASS_TOKEN_POSITION,
         )
+        at_zero_shot = f"{prompt_learner.prompt_prefix.strip()} {{}}." == template
+        if at_zero_shot and node.CLASS_TOKEN_POSITION == "end":
+            logger.warning(
+                "ProGrad: the initial prompt %r is the zero-shot prompt itself (TRAINER.PROGRAD."
+                "N_CTX %d = the words of CTX_INIT): the KL term's gradient is zero at the start "
+                "and the projection then removes most of every step (the context stays near its "
+                "start; docs/trainers.md, 'ProGrad on the small world'). The authors use N_CTX "
+                "16: raise N_CTX above the number of words",
+                template,
+                node.N_CTX,
+            )
         return cls(classnames, prompt_learner, clip_model, template)
 
     def __init__(self, classnames, prompt_learner, clip_model, template: str):
