@@ -20,6 +20,7 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from .errors import ConfigError
+from .yaml_files import read_yaml
 
 _C = CN()
 _C.VERSION = 1  # config format version (Dassl compatibility)
@@ -436,11 +437,10 @@ def merge_from_file(
     ``translate``/``notes``: see :func:`merge_from_dict`."""
     if not os.path.isfile(path):
         raise ConfigError(f"Config file not found: {path}")
-    with open(path) as f:
-        try:
-            values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
+    try:
+        values = read_yaml(path) or {}  # parsed once per unchanged file in a packed worker
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
     if not isinstance(values, dict):
         raise ConfigError(f"Config file {path} must hold a mapping of keys, not {type(values)}")
     merge_from_dict(cfg, values, f"config file {path}", translate, notes)
