@@ -462,8 +462,35 @@ def merge_from_list(
     _merge_pairs(cfg, zip(opts[0::2], opts[1::2]), source, translate, notes)
 
 
+def _printable_ascii(value) -> bool:
+    """Whether every string in ``value`` (nested dicts, lists, tuples) is printable ASCII."""
+    if isinstance(value, str):
+        return value.isascii() and value.isprintable()
+    if isinstance(value, dict):
+        return all(_printable_ascii(k) and _printable_ascii(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_printable_ascii(v) for v in value)
+    return True
+
+
+def cfg_yaml(cfg: CN) -> str:
+    """The YAML text of ``cfg``: yacs' ``cfg.dump()``, written by libyaml's emitter when PyYAML
+    has it and every string is printable ASCII (then the same text, about 5x faster: every run
+    writes its config.yaml; tests/test_run_caches.py compares them). Other strings are escaped
+    and folded otherwise by libyaml, so yacs' own dump writes those configs."""
+    dumper = getattr(yaml, "CSafeDumper", None)
+
+    def as_dict(node):
+        return {k: as_dict(v) for k, v in node.items()} if isinstance(node, CN) else node
+
+    values = as_dict(cfg)
+    if dumper is None or not _printable_ascii(values):
+        return cfg.dump()
+    return yaml.dump(values, Dumper=dumper)
+
+
 def dump_cfg(cfg: CN, path: str) -> None:
     """Write ``cfg`` as YAML to ``path`` atomically."""
     from .utils import atomic_write_text
 
-    atomic_write_text(path, cfg.dump())
+    atomic_write_text(path, cfg_yaml(cfg))

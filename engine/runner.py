@@ -123,14 +123,17 @@ def enable_run_caches(enabled: bool = True) -> None:
     """Keep for the next runs of this process what a run reads or builds the same way every
     time: the last CLIP checkpoint read (:func:`engine.clip.model.cache_weights`), the CLIP
     towers built from checkpoints, copied for each run (:mod:`engine.clip.tower_cache`), and
-    the parsed YAML config files (:mod:`engine.yaml_files`). ``False`` drops them."""
+    the parsed YAML config files (:mod:`engine.yaml_files`) and the verdicts of the image checks
+    on unchanged files (:func:`engine.data.image_check.cache_verdicts`). ``False`` drops them."""
     from engine.clip.model import cache_weights
     from engine.clip.tower_cache import cache_towers
+    from engine.data.image_check import cache_verdicts
     from engine.yaml_files import cache_yaml
 
     cache_weights(enabled)
     cache_towers(enabled)
     cache_yaml(enabled)
+    cache_verdicts(enabled)
 
 
 def serve(reply_fd: int) -> int:

@@ -492,11 +492,15 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
             model = tower_cache.random_tower(key, lambda: _random_clip(model_cfg, precision))
         else:
             # a packed worker copies the tower it built for this checkpoint (tower_cache)
+            copies = tower_cache.stats["copied"]
             model = tower_cache.checkpoint_tower(
                 _tower_key(cfg, path, precision),
                 lambda: clip_from_state_dict(cfg, *_read_weights(path), path, precision),
             )
-            logger.info("Loaded CLIP weights from %s", path)
+            how = ""
+            if tower_cache.stats["copied"] > copies:
+                how = " (a copy of the tower built for an earlier run of this process)"
+            logger.info("Loaded CLIP weights from %s%s", path, how)
         model.to(device)
         model.eval()
         model.requires_grad_(False)
