@@ -131,6 +131,20 @@ def test_draws_are_counted_and_replayed_as_torch_draws_them(n):
         assert tower_cache.draws_between(after, before, limit=10_000) is None
 
 
+def test_a_state_seen_before_is_advanced_without_drawing_again(monkeypatch):
+    torch.manual_seed(21)
+    before = torch.get_rng_state()
+    torch.empty(3000).uniform_()
+    after = torch.get_rng_state()
+    first = tower_cache.advance(before, 3000)
+    calls = []
+    monkeypatch.setattr(tower_cache, "_generator", lambda *a: calls.append(a))  # no new draws
+    again = tower_cache.advance(before, 3000)
+    assert torch.equal(first, after) and torch.equal(again, after) and not calls
+    again.zero_()  # each caller's own tensor
+    assert torch.equal(tower_cache.advance(before, 3000), after)
+
+
 def test_a_cached_normal_sample_is_not_replayed():
     torch.manual_seed(0)
     torch.randn(3)  # fewer than 16 values: torch keeps the pair's second sample
