@@ -32,6 +32,7 @@ import os
 import os.path as osp
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,10 +197,12 @@ def checkpoint_tower(key: tuple | None, build: Callable[[], torch.nn.Module]) ->
     tower = _TOWERS.get(key)
     if tower is not None and tower.draws is not None:
         before = torch.get_rng_state()
-        after = advance(before, tower.draws)
-        if after is not None:
-            model = copy.deepcopy(tower.model)
-            torch.set_rng_state(after)
+        if _mt_position(before.numpy()) is not None:
+            # the draws (numpy releases the GIL) while the weights are copied
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                after = pool.submit(advance, before, tower.draws)
+                model = copy.deepcopy(tower.model)
+                torch.set_rng_state(after.result())
             _TOWERS.move_to_end(key)
             stats["copied"] += 1
             return model
