@@ -151,3 +151,27 @@ def test_a_cached_normal_sample_is_not_replayed():
     state = torch.get_rng_state()
     assert tower_cache.advance(state, 10) is None
     assert tower_cache.draws_between(state, state, limit=10) is None
+
+
+def test_a_build_whose_draws_cannot_be_replayed_is_built_every_time(clips, caches_on, monkeypatch):
+    cfg = backbone_cfg(clips["vit"])
+    tower_cache.cache_towers(False)
+    fresh = load(cfg, 2, "fp32")[1:]
+    tower_cache.cache_towers(True)
+    build = clip_model.clip_from_state_dict
+
+    def scalar_normal_too(*args, **kwargs):  # leaves torch's cached normal sample behind
+        model = build(*args, **kwargs)
+        torch.randn(1)
+        return model
+
+    monkeypatch.setattr(clip_model, "clip_from_state_dict", scalar_normal_too)
+    built, copied = tower_cache.stats["built"], tower_cache.stats["copied"]
+    for _ in range(2):
+        torch.manual_seed(2)
+        torch.rand(5)
+        clip_model.load_clip(cfg, "fp32")
+    assert (tower_cache.stats["built"], tower_cache.stats["copied"]) == (built + 2, copied)
+    assert not tower_cache._TOWERS and len(tower_cache._UNREPLAYABLE) == 1
+    monkeypatch.setattr(clip_model, "clip_from_state_dict", build)
+    assert_same(load(cfg, 2, "fp32")[1], fresh[0])  # built again, still not kept

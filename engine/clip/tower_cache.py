@@ -59,6 +59,7 @@ class _Tower:
 
 
 _TOWERS: OrderedDict[tuple, _Tower] = OrderedDict()
+_UNREPLAYABLE: set[tuple] = set()  # towers whose builds' draws no count replays: built each time
 _enabled = False
 stats = {"built": 0, "copied": 0}  # this process's towers (tests, the packed-gap benchmark)
 
@@ -71,6 +72,7 @@ def cache_towers(enabled: bool = True) -> None:
     if not enabled:
         _TOWERS.clear()
         _ADVANCED.clear()
+        _UNREPLAYABLE.clear()
 
 
 def towers_cached() -> bool:
@@ -209,11 +211,14 @@ def checkpoint_tower(key: tuple | None, build: Callable[[], torch.nn.Module]) ->
     before = torch.get_rng_state()
     model = build()
     stats["built"] += 1
+    if tower is not None or key in _UNREPLAYABLE:
+        return model
     draws = draws_between(before, torch.get_rng_state(), _draw_limit(model))
-    if draws is None:
-        logger.debug("CLIP tower not kept: its build's random draws cannot be replayed")
-    elif tower is None:
+    if draws is not None:
         _keep(key, _Tower(copy.deepcopy(model), draws=draws))
+    elif _mt_position(before.numpy()) is not None:  # not a passing cached normal sample: never
+        logger.info("CLIP tower not kept: its build's random draws cannot be replayed")
+        _UNREPLAYABLE.add(key)
     return model
 
 
