@@ -20,6 +20,7 @@ import yaml
 from yacs.config import CfgNode as CN
 
 from .errors import ConfigError
+from .yaml_files import read_yaml
 
 _C = CN()
 _C.VERSION = 1  # config format version (Dassl compatibility)
@@ -436,11 +437,10 @@ def merge_from_file(
     ``translate``/``notes``: see :func:`merge_from_dict`."""
     if not os.path.isfile(path):
         raise ConfigError(f"Config file not found: {path}")
-    with open(path) as f:
-        try:
-            values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
+    try:
+        values = read_yaml(path) or {}  # parsed once per unchanged file in a packed worker
+    except yaml.YAMLError as e:
+        raise ConfigError(f"Config file {path} is not valid YAML: {e}") from e
     if not isinstance(values, dict):
         raise ConfigError(f"Config file {path} must hold a mapping of keys, not {type(values)}")
     merge_from_dict(cfg, values, f"config file {path}", translate, notes)
@@ -462,8 +462,35 @@ def merge_from_list(
     _merge_pairs(cfg, zip(opts[0::2], opts[1::2]), source, translate, notes)
 
 
+def _printable_ascii(value) -> bool:
+    """Whether every string in ``value`` (nested dicts, lists, tuples) is printable ASCII."""
+    if isinstance(value, str):
+        return value.isascii() and value.isprintable()
+    if isinstance(value, dict):
+        return all(_printable_ascii(k) and _printable_ascii(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_printable_ascii(v) for v in value)
+    return True
+
+
+def cfg_yaml(cfg: CN) -> str:
+    """The YAML text of ``cfg``: yacs' ``cfg.dump()``, written by libyaml's emitter when PyYAML
+    has it and every string is printable ASCII (then the same text, about 5x faster: every run
+    writes its config.yaml; tests/test_run_caches.py compares them). Other strings are escaped
+    and folded otherwise by libyaml, so yacs' own dump writes those configs."""
+    dumper = getattr(yaml, "CSafeDumper", None)
+
+    def as_dict(node):
+        return {k: as_dict(v) for k, v in node.items()} if isinstance(node, CN) else node
+
+    values = as_dict(cfg)
+    if dumper is None or not _printable_ascii(values):
+        return cfg.dump()
+    return yaml.dump(values, Dumper=dumper)
+
+
 def dump_cfg(cfg: CN, path: str) -> None:
     """Write ``cfg`` as YAML to ``path`` atomically."""
     from .utils import atomic_write_text
 
-    atomic_write_text(path, cfg.dump())
+    atomic_write_text(path, cfg_yaml(cfg))

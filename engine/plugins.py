@@ -48,6 +48,7 @@ from collections.abc import Iterable
 import yaml
 
 from .errors import ConfigError
+from .yaml_files import read_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -356,8 +357,7 @@ def plugins_in_files(paths: Iterable[str]) -> list[str]:
         if not path or not osp.isfile(path):
             continue
         try:
-            with open(path) as f:
-                values = yaml.safe_load(f) or {}
+            values = read_yaml(path) or {}
         except (OSError, yaml.YAMLError):
             continue
         if isinstance(values, dict):

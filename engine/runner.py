@@ -5,8 +5,10 @@ the exit path of a process that ran them.
 A run costs seconds of fixed work before its first step and after its last one: importing
 torch, torchvision and open_clip, reading the CLIP checkpoint, starting loader workers, and
 tearing the interpreter down. A worker pays the imports once and keeps the last CLIP checkpoint
-read in memory (:func:`engine.clip.model.cache_weights`); each run still builds its own model
-from the seeded RNG, takes its run folder's lock, writes its own ``log.txt``, ``config.yaml``,
+read in memory (:func:`engine.clip.model.cache_weights`), the CLIP tower built from it (each run
+gets its own copy, the RNG advanced as a build would; :mod:`engine.clip.tower_cache`) and the
+parsed config files (:func:`enable_run_caches`); each run still builds its own model from the
+seeded RNG, takes its run folder's lock, writes its own ``log.txt``, ``config.yaml``,
 scalars and checkpoints, so its folder and numbers are those of a ``train.py`` process with the
 same arguments (``tests/test_packed_runs.py``). Between runs the worker closes the run's log
 handlers, stops the run's loader workers and frees the CUDA graphs recorded for the run's
@@ -117,15 +119,30 @@ def finish_process(code: int = 0) -> int:
 UNFREEZE_EVERY = 32  # runs of a worker between collections that see the frozen objects too
 
 
+def enable_run_caches(enabled: bool = True) -> None:
+    """Keep for the next runs of this process what a run reads or builds the same way every
+    time: the last CLIP checkpoint read (:func:`engine.clip.model.cache_weights`), the CLIP
+    towers built from checkpoints, copied for each run (:mod:`engine.clip.tower_cache`), and
+    the parsed YAML config files (:mod:`engine.yaml_files`) and the verdicts of the image checks
+    on unchanged files (:func:`engine.data.image_check.cache_verdicts`). ``False`` drops them."""
+    from engine.clip.model import cache_weights
+    from engine.clip.tower_cache import cache_towers
+    from engine.data.image_check import cache_verdicts
+    from engine.yaml_files import cache_yaml
+
+    cache_weights(enabled)
+    cache_towers(enabled)
+    cache_yaml(enabled)
+    cache_verdicts(enabled)
+
+
 def serve(reply_fd: int) -> int:
     """The worker loop: one run per request line on stdin, one answer line on ``reply_fd``.
 
     The trainers and datasets must be registered first (``tools/worker.py`` does it, as
-    ``train.py`` does); CLIP checkpoints read are kept in memory for the following runs.
+    ``train.py`` does); what :func:`enable_run_caches` keeps serves the following runs.
     """
-    from engine.clip.model import cache_weights
-
-    cache_weights(True)
+    enable_run_caches()
     runs = 0
     with os.fdopen(reply_fd, "w", buffering=1) as replies:
         for line in sys.stdin:

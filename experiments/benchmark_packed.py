@@ -1,7 +1,7 @@
 """The fixed cost of a run in a packed worker (``tools/benchmark.py --packed-gap``): the time from
 one training run's end to the end of the next run's first training step, in one long-lived
 process that runs them one after another as a ``tools/grid.py --in-process`` worker does
-(:func:`engine.runner.run_packed`, CLIP checkpoints kept in memory).
+(:func:`engine.runner.run_packed`, with the caches of :func:`engine.runner.enable_run_caches`).
 
 A run's end is the moment its result is recorded (``engine.phases.run_ended``: after its final
 test, ``cost.json`` written); the gap holds the rest of that run (closing its log, collecting its
@@ -30,15 +30,14 @@ def packed_gaps(device: str = "cpu", runs: int = 4, workers=(0, 4), epochs: int 
     import datasets  # noqa: F401  (registers the readers, as the worker does)
     import trainers  # noqa: F401  (registers the trainers, as the worker does)
     from engine import phases
-    from engine.clip.model import cache_weights
-    from engine.runner import run_packed
+    from engine.runner import enable_run_caches, run_packed
     from experiments.benchmark_runs import make_run_data, run_argv
     from experiments.benchmark_steps import device_description
 
     tmp = tempfile.mkdtemp(prefix="packed-gap-")
     root = osp.join(tmp, "data")
     make_run_data(root, device)
-    cache_weights(True)  # as the worker's serve() does
+    enable_run_caches()  # as the worker's serve() does
     marks: dict[str, list[float]] = {"first_step": [], "end": []}
     first_step_done, run_ended = phases.first_step_done, phases.run_ended
 

@@ -40,7 +40,7 @@ import torch
 from engine import phases
 from engine.errors import ConfigError
 
-from . import weights
+from . import tower_cache, weights
 from .weights import BackboneError
 
 logger = logging.getLogger(__name__)
@@ -488,18 +488,45 @@ def load_clip(cfg, precision: str = "fp32", device="cpu") -> CLIP:
         if path is None:
             model_cfg, source = _model_config(cfg)
             logger.warning("MODEL.BACKBONE.PRETRAINED is False: CLIP %s has RANDOM weights", source)
-            model = build_clip(model_cfg, precision)
-            if precision == "fp16":
-                convert_weights_to_lp(model, dtype=torch.float16)
+            key = ("random", json.dumps(model_cfg, sort_keys=True), precision)
+            model = tower_cache.random_tower(key, lambda: _random_clip(model_cfg, precision))
         else:
-            sd, is_jit = _read_weights(path)
-            model = clip_from_state_dict(cfg, sd, is_jit, path, precision)
-            logger.info("Loaded CLIP weights from %s", path)
+            # a packed worker copies the tower it built for this checkpoint (tower_cache)
+            copies = tower_cache.stats["copied"]
+            model = tower_cache.checkpoint_tower(
+                _tower_key(cfg, path, precision),
+                lambda: clip_from_state_dict(cfg, *_read_weights(path), path, precision),
+            )
+            how = ""
+            if tower_cache.stats["copied"] > copies:
+                how = " (a copy of the tower built for an earlier run of this process)"
+            logger.info("Loaded CLIP weights from %s%s", path, how)
         model.to(device)
         model.eval()
         model.requires_grad_(False)
         setattr(model, FULL_LENGTH_ATTR, bool(cfg.MODEL.TEXT_FULL_LENGTH))
     return model
+
+
+def _random_clip(model_cfg: dict, precision: str) -> CLIP:
+    model = build_clip(model_cfg, precision)
+    if precision == "fp16":
+        convert_weights_to_lp(model, dtype=torch.float16)
+    return model
+
+
+def _tower_key(cfg, path: str, precision: str) -> tuple | None:
+    """What :func:`clip_from_state_dict` builds from: the checkpoint file, NAME, the CONFIG file
+    and the precision (files by real path, size and modification time); None when towers are
+    not kept or a file cannot be read (the build then reports it)."""
+    if not tower_cache.towers_cached():
+        return None
+    bb = cfg.MODEL.BACKBONE
+    try:
+        model_config = tower_cache.file_key(resolve_path(bb.CONFIG)) if bb.CONFIG else None
+        return ("checkpoint", tower_cache.file_key(path), bb.NAME, model_config, precision)
+    except OSError:
+        return None
 
 
 def clip_from_state_dict(cfg, sd: dict, is_jit: bool, path: str, precision: str = "fp32") -> CLIP:
