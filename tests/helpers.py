@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
 
 from datasets.synthetic import DTD_CLASSES
 from engine import build_trainer
@@ -142,15 +142,15 @@ def check_base_to_new(tmp_path, dtd_root, deep_opts, trainer, config_files, name
     checkpoint."""
     sgd_out, sam_out = str(tmp_path / "sgd"), str(tmp_path / "sample")
     base = ("DATASET.SUBSAMPLE_CLASSES", "base", *extra)
-    run_train(train_py_args(dtd_root, sgd_out, deep_opts, trainer, config_files, *base,
-                            "OPTIM.MAX_EPOCH", "1"))  # fmt: skip
+    train_in_process(train_py_args(dtd_root, sgd_out, deep_opts, trainer, config_files, *base,
+                                   "OPTIM.MAX_EPOCH", "1"))  # fmt: skip
     log = open(osp.join(sgd_out, "log.txt")).read()
     assert "Optimizer: sgd over" in log and 0 <= accuracy(log) <= 100
     assert re.search(r"# classes\s+4\n", log)  # DTD's 7 classes: 4 base
     optim_file = osp.join(ROOT, f"configs/optim/{trainer}/sample.yaml")
-    run_train(["--optim-config-file", optim_file]
-              + train_py_args(dtd_root, sam_out, deep_opts, trainer, config_files, *base,
-                              "OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.STAGE2_EPOCHS", "1"))  # fmt: skip
+    epochs = ("OPTIM.MAX_EPOCH", "2", "OPTIM.SAM.STAGE2_EPOCHS", "1")
+    sam_args = train_py_args(dtd_root, sam_out, deep_opts, trainer, config_files, *base, *epochs)
+    train_in_process(["--optim-config-file", optim_file, *sam_args])
     log = open(osp.join(sam_out, "log.txt")).read()
     assert "Optimizer: sample(sgd)" in log and "cos_g_gp" in log
     stage2 = "Epoch 3: the sharpness-aware stage starts (stage 2); frozen: MultiModalPromptLearner."
@@ -162,7 +162,9 @@ def check_base_to_new(tmp_path, dtd_root, deep_opts, trainer, config_files, name
     new_out = str(tmp_path / "new")
     eval_flags = ["--eval-only", "--model-dir", sam_out, "--load-epoch", "3"]
     new = ("DATASET.SUBSAMPLE_CLASSES", "new", *extra)
-    run_train(eval_flags + train_py_args(dtd_root, new_out, deep_opts, trainer, config_files, *new))
+    train_in_process(
+        eval_flags + train_py_args(dtd_root, new_out, deep_opts, trainer, config_files, *new)
+    )
     log = open(osp.join(new_out, "log.txt")).read()
     assert 'Loading weights to MultiModalPromptLearner from "' in log
     assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100  # 3 new classes
@@ -235,3 +237,14 @@ def train_interrupted(tr, epoch: int = 2) -> None:
     tr.before_epoch = interrupt
     with pytest.raises(KeyboardInterrupt):
         tr.train()
+
+
+def train_in_process(args: list[str], code: int = 0) -> None:
+    """Run ``train.py args`` in this process (engine.runner.run_in_process: the argument parsing,
+    run folder, log, checkpoints and numbers of a train.py process, without the seconds of a
+    fresh interpreter's imports) and check its exit status. For the tests whose point is the run,
+    not the process (exit codes on stderr, signals, locks between processes keep ``run_train``)."""
+    from engine.runner import run_in_process
+
+    rc = run_in_process(list(args))
+    assert rc == code, f"train.py returned {rc}, expected {code} (its output is printed above)"

@@ -1,8 +1,9 @@
 """The analysis tools on real run folders: loss landscape, alignment plot, sweep preset and plot.
 
-One module fixture trains on a miniature ImageNet with the tiny CLIP: a CoOp+SGD run (train.py)
-and the real ``sweep-rho`` preset in a tiny form through ``tools/grid.py`` (CoOp+SAMPLe, rho 0.02
-and 0.1, seeds 1 and 2, base-to-new: 4 training and 4 evaluation runs).
+One module fixture trains on a miniature ImageNet with the tiny CLIP: a CoOp+SGD run (train.py,
+in-process) and the real ``sweep-rho`` preset in a tiny form through ``tools/grid.py`` (CoOp+SAMPLe,
+rho 0.02 and 0.1, seeds 1 and 2, base-to-new: 4 training and 4 evaluation runs, packed into two
+``--in-process`` workers).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import statistics
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, run_train
+from conftest import ROOT
 from dataset_trees import make_imagenet
+from helpers import train_in_process
 from PIL import Image
 
 from experiments import grid_plan
@@ -60,7 +62,7 @@ def runs(tmp_path_factory, tiny_clip_opts):
     data = str(tmp / "data")
     make_imagenet(data)
     sgd = str(tmp / "sgd_seed1")
-    run_train(
+    train_in_process(
         [
             *("--root", data, "--seed", "1", "--trainer", "CoOp"),
             *("--dataset-config-file", osp.join(ROOT, "configs/datasets/imagenet.yaml")),
@@ -71,8 +73,11 @@ def runs(tmp_path_factory, tiny_clip_opts):
     )
     out = str(tmp / "output")
     argv = _sweep_args(out) + ["--data", data, "--no-data-check", "--quiet", "--gpus", "0,1"]
+    # --in-process: each "GPU" worker is one process that runs its 4 runs (imports paid twice,
+    # not 8 times; the same folders and numbers as a train.py per run, tests/test_packed_runs.py)
+    argv.append("--in-process")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # two train.py at a time (one per "GPU" worker)
+        mp.setenv("OMP_NUM_THREADS", "1")  # two runs at a time (one per "GPU" worker)
         assert grid.main(argv + ["--", *tiny_clip_opts, *TRAIN_OPTS]) == 0
     return {"sgd": sgd, "sample": _sample_dir(out, RHOS[0], "1"), "output": out}
 

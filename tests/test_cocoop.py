@@ -6,7 +6,8 @@ import os.path as osp
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import train_in_process
 
 from engine import build_trainer
 from engine.clip import load_clip, tokenize
@@ -234,7 +235,7 @@ def test_train_py_sgd_and_sample_then_new_classes(tmp_path, dtd_root, tiny_clip_
         out = str(tmp_path / name)
         if flags:
             flags = (*flags, osp.join(ROOT, "configs/optim/CoCoOp/sample.yaml"))
-        run_train(
+        train_in_process(
             _train_args(
                 dtd_root, out, tiny_clip_opts, "DATASET.SUBSAMPLE_CLASSES", "base", flags=flags
             )
@@ -247,7 +248,7 @@ def test_train_py_sgd_and_sample_then_new_classes(tmp_path, dtd_root, tiny_clip_
     assert not torch.equal(ckpts["sgd"]["ctx"], ckpts["sample"]["ctx"])
     new = str(tmp_path / "new")
     flags = ["--eval-only", "--model-dir", str(tmp_path / "sample"), "--load-epoch", "1"]
-    run_train(
+    train_in_process(
         _train_args(dtd_root, new, tiny_clip_opts, "DATASET.SUBSAMPLE_CLASSES", "new", flags=flags)
     )
     log = open(osp.join(new, "log.txt")).read()

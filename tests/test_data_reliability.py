@@ -19,6 +19,7 @@ import time
 import pytest
 from conftest import ROOT, make_cfg, run_train
 from dataset_trees import BUILDERS, coop_pickle
+from helpers import train_in_process
 
 from datasets.dtd import DescribableTextures
 from datasets.imagenet import ImageNet
@@ -108,7 +109,7 @@ def test_unreadable_training_images_all_listed_before_the_first_step(
     assert "epoch [" not in proc.stdout  # stopped before the first step
 
     skip = str(tmp_path / "skip")
-    run_train(_train_args(dtd_root, skip, tiny_clip_opts, "OPTIM.MAX_EPOCH", "1", *SKIP))
+    train_in_process(_train_args(dtd_root, skip, tiny_clip_opts, "OPTIM.MAX_EPOCH", "1", *SKIP))
     log = open(osp.join(skip, "log.txt")).read()
     assert f"Skipping 3 unreadable training image(s) of {len(ds.train_x)}" in log
     assert "Finish training" in log and "=> result" in log

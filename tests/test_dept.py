@@ -273,13 +273,13 @@ def accuracy(log: str) -> float:
 def test_train_py_base_to_new_with_sgd_and_sample(tmp_path, dtd_root, deep_opts):
     import re
 
-    from conftest import run_train
+    from helpers import train_in_process
 
     base, new = ("DATASET.SUBSAMPLE_CLASSES", "base"), ("DATASET.SUBSAMPLE_CLASSES", "new")
     sgd_out, sam_out, new_out = (str(tmp_path / d) for d in ("sgd", "sample", "new"))
     # DePT over CoOp by the authors' name, SGD: the head's LR is 6.5 x the prompts'
-    run_train(train_py_args("ExtrasLinearProbeCoOp", "vit_b16_ep10_bs4_lr35", dtd_root, sgd_out,
-                            deep_opts, "TRAINER.COOP.N_CTX", "4", *base))  # fmt: skip
+    lp = ("ExtrasLinearProbeCoOp", "vit_b16_ep10_bs4_lr35", dtd_root)
+    train_in_process(train_py_args(*lp, sgd_out, deep_opts, "TRAINER.COOP.N_CTX", "4", *base))
     log = open(osp.join(sgd_out, "log.txt")).read()
     assert "Optimizer: sgd over" in log and re.search(r"\bce_head [\d.]+", log)
     assert re.search(r"# classes\s+4\n", log) and 0 <= accuracy(log) <= 100  # 4 base classes
@@ -290,15 +290,16 @@ def test_train_py_base_to_new_with_sgd_and_sample(tmp_path, dtd_root, deep_opts)
     }  # fmt: skip
     assert ckpt["optimizer"]["param_groups"][1]["initial_lr"] == pytest.approx(0.0035 * 6.5)
     eval_flags = ["--eval-only", "--model-dir", sgd_out, "--load-epoch", "2"]
-    run_train(eval_flags + train_py_args("ExtrasLinearProbeCoOp", "vit_b16_ep10_bs4_lr35",
-              dtd_root, new_out, deep_opts, "TRAINER.COOP.N_CTX", "4", *new))  # fmt: skip
+    new_args = train_py_args(*lp, new_out, deep_opts, "TRAINER.COOP.N_CTX", "4", *new)
+    train_in_process(eval_flags + new_args)
     log = open(osp.join(new_out, "log.txt")).read()
     assert "the CAT head was trained on other classes: similarity logits only" in log
     assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100  # 3 new classes
     # DePT over MaPLe with SAMPLe (its configs/optim file): both param groups step
-    run_train(["--optim-config-file", osp.join(ROOT, "configs/optim/DePT_MaPLe/sample.yaml")]
-              + train_py_args("DePT_MaPLe", "vit_b16_c2_ep10_batch4_2ctx", dtd_root, sam_out,
-                              deep_opts, "TRAINER.MAPLE.PROMPT_DEPTH", "3", *base))  # fmt: skip
+    sam_args = train_py_args("DePT_MaPLe", "vit_b16_c2_ep10_batch4_2ctx", dtd_root, sam_out,
+                             deep_opts, "TRAINER.MAPLE.PROMPT_DEPTH", "3", *base)  # fmt: skip
+    optim_file = osp.join(ROOT, "configs/optim/DePT_MaPLe/sample.yaml")
+    train_in_process(["--optim-config-file", optim_file, *sam_args])
     log = open(osp.join(sam_out, "log.txt")).read()
     assert "Optimizer: sample(sgd)" in log and "cos_g_gp" in log and 0 <= accuracy(log) <= 100
     assert osp.isfile(osp.join(sam_out, "MultiModalPromptLearner", "model.pth.tar-2"))

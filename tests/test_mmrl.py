@@ -18,7 +18,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import train_in_process
 
 from engine import build_trainer
 from engine.clip.toy import TINY_OPTS
@@ -342,17 +343,17 @@ def test_train_py_base_to_new(tmp_path, dtd_root, clip_opts):
 
     sgd, sam, new = (str(tmp_path / d) for d in ("sgd", "sample", "new"))
     base = ("DATASET.SUBSAMPLE_CLASSES", "base", "TASK", "B2N")
-    run_train(args(sgd, "TRAINER.MMRL.PREC", "fp32", *base))
+    train_in_process(args(sgd, "TRAINER.MMRL.PREC", "fp32", *base))
     log = open(osp.join(sgd, "log.txt")).read()
     assert "Optimizer: adamw over" in log and 0 <= accuracy(log) <= 100
     assert "TRAINER.MMRL.REG_WEIGHT 1.0 -> 6.0" in log  # MMRL's DTD value
     assert re.search(r"# classes\s+4\n", log)
     optim = osp.join(ROOT, "configs/optim/MMRL/sample.yaml")
-    run_train(["--optim-config-file", optim, *args(sam, *base)])
+    train_in_process(["--optim-config-file", optim, *args(sam, *base)])
     log = open(osp.join(sam, "log.txt")).read()
     assert "Optimizer: sample(adamw)" in log and "reg_image" in log
     eval_flags = ["--eval-only", "--model-dir", sam]  # no --load-epoch, as MMRL's test script
-    run_train([*eval_flags, *args(new, "DATASET.SUBSAMPLE_CLASSES", "new", "TASK", "B2N")])
+    train_in_process([*eval_flags, *args(new, "DATASET.SUBSAMPLE_CLASSES", "new", "TASK", "B2N")])
     log = open(osp.join(new, "log.txt")).read()
     assert 'Loading weights to MultiModalRepresentationLearner from "' in log
     assert "loading epoch 1, as MMRL does" in log

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, make_cfg, run_train
-from helpers import train_interrupted
+from conftest import ROOT, make_cfg
+from helpers import train_in_process, train_interrupted
 
 from engine import build_trainer
 from engine.clip import TextEncoder, load_clip, tokenize
@@ -477,13 +477,13 @@ def test_train_py_base_to_new(trainer, tmp_path, dtd_root, deep_opts):
     folder = CHECKPOINT_FOLDER[trainer]
     base = ("DATASET.SUBSAMPLE_CLASSES", "base")
     sgd_out, sam_out, new_out = (str(tmp_path / d) for d in ("sgd", "sample", "new"))
-    run_train(train_py_args(trainer, dtd_root, sgd_out, deep_opts, "fp32", *base))
+    train_in_process(train_py_args(trainer, dtd_root, sgd_out, deep_opts, "fp32", *base))
     log = open(osp.join(sgd_out, "log.txt")).read()
     assert "Optimizer: sgd over" in log and 0 <= accuracy(log) <= 100
     assert re.search(r"# classes\s+4\n", log)  # DTD's 7 classes: 4 base
     optim_file = osp.join(ROOT, f"configs/optim/{trainer}/sample.yaml")
-    run_train(["--optim-config-file", optim_file]
-              + train_py_args(trainer, dtd_root, sam_out, deep_opts, "amp", *base))  # fmt: skip
+    sam_args = train_py_args(trainer, dtd_root, sam_out, deep_opts, "amp", *base)
+    train_in_process(["--optim-config-file", optim_file, *sam_args])
     log = open(osp.join(sam_out, "log.txt")).read()
     assert "Optimizer: sample(sgd)" in log and "cos_g_gp" in log
     if trainer == "PromptSRC":
@@ -494,7 +494,7 @@ def test_train_py_base_to_new(trainer, tmp_path, dtd_root, deep_opts):
     assert set(ckpt["state_dict"]) == STATE[trainer]
     eval_flags = ["--eval-only", "--model-dir", sam_out, "--load-epoch", "2"]
     new = ("DATASET.SUBSAMPLE_CLASSES", "new")
-    run_train(eval_flags + train_py_args(trainer, dtd_root, new_out, deep_opts, "amp", *new))
+    train_in_process(eval_flags + train_py_args(trainer, dtd_root, new_out, deep_opts, "amp", *new))
     log = open(osp.join(new_out, "log.txt")).read()
     assert f'Loading weights to {folder} from "' in log
     assert re.search(r"# classes\s+3\n", log) and 0 <= accuracy(log) <= 100  # 3 new classes

@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import train_in_process
 from torch import nn
 
 from engine import build_trainer
@@ -321,7 +322,7 @@ def test_amp_skips_a_step_whose_second_pass_overflows(tmp_path, dtd_root, tiny_c
 @pytest.mark.parametrize("name", SHARPNESS)
 def test_coop_train_py_with_each_optimizer(tmp_path, dtd_root, tiny_clip_opts, name):
     out = str(tmp_path / name)
-    run_train(
+    train_in_process(
         [
             "--root",
             dtd_root,

@@ -15,7 +15,8 @@ import os.path as osp
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import train_in_process
 from reference import make_prograd as ref
 
 from engine import build_trainer
@@ -251,14 +252,14 @@ def test_train_py_base_then_new_with_sample(tmp_path, dtd_root, tiny_clip_opts):
     common += ["--dataset-config-file", osp.join(ROOT, "configs/datasets/dtd.yaml")]
     opts = [*tiny_clip_opts, "TRAINER.PROGRAD.PREC", "fp32", "TRAINER.PROGRAD.N_CTX", "4"]
     opts += ["DATASET.NUM_SHOTS", "2", "OPTIM.MAX_EPOCH", "1", "OPTIM.NAME", "sgd"]
-    run_train(
+    train_in_process(
         [*common, "--output-dir", str(out), *opts, "OPTIM.SAM.NAME", "sample",
          "DATASET.SUBSAMPLE_CLASSES", "base"]
     )  # fmt: skip
     log = (out / "log.txt").read_text()
     assert "xe_loss" in log and "kl_loss" in log and "Finished training" in log
     new = tmp_path / "new"
-    run_train(
+    train_in_process(
         [*common, "--output-dir", str(new), "--model-dir", str(out), "--load-epoch", "1",
          "--eval-only", *opts, "DATASET.SUBSAMPLE_CLASSES", "new"]
     )  # fmt: skip

@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, make_cfg, run_train
-from helpers import coop_args
+from helpers import coop_args, train_in_process
 
 from engine import build_trainer
 from engine.checkpoint import ROLLING_NAME, load_checkpoint, save_checkpoint
+from engine.cli import build_parser
 from engine.errors import CheckpointError, ConfigError, OutputError
 from engine.run_folder import NOT_EXPERIMENT_KEYS, RunFolder, experiment_config
 from engine.validate import validate_cfg
@@ -110,7 +111,7 @@ def interrupted(tmp_path_factory, dtd_root_shared, tiny_clip_opts):
             f.write(b"partial")
     scalars_before = open(osp.join(out, "scalars.jsonl")).read().splitlines()
     os.rename(osp.join(out, "log.txt"), osp.join(out, "log-killed.txt"))
-    run_train(args)
+    train_in_process(args)  # the resumed run (the kill above is the subprocess's part)
     return dict(
         out=out,
         killed_at=killed_at,
@@ -178,7 +179,7 @@ def test_changed_config_is_refused_then_forced_or_started_over(interrupted, tmp_
     assert "--overwrite" in err and "--force-resume" in err
     assert open(osp.join(out, "config.yaml")).read() == config_before  # not rewritten
     # paths, logging and worker counts are not the experiment: accepted
-    run_train([*args, "TRAIN.PRINT_FREQ", "3", "DATALOADER.TEST.BATCH_SIZE", "5"])
+    train_in_process([*args, "TRAIN.PRINT_FREQ", "3", "DATALOADER.TEST.BATCH_SIZE", "5"])
     # an --eval-only run into a training folder is another experiment too
     flags = ["--eval-only", "--model-dir", interrupted["out"], "--load-epoch", "5"]
     err = _user_error(run_train([*flags, *args], check=False))
@@ -193,7 +194,7 @@ def test_changed_config_is_refused_then_forced_or_started_over(interrupted, tmp_
     assert osp.isfile(osp.join(tmp_path, moved[0], "prompt_learner", "model.pth.tar-5"))
     assert not osp.exists(osp.join(out, "prompt_learner"))
     assert "--overwrite" in _log(out)
-    assert "--overwrite" in run_train(["--help"]).stdout
+    assert "--overwrite" in build_parser().format_help()  # train.py --help's text
 
 
 def test_experiment_fingerprint_keys(tiny_clip_opts, tmp_path):
@@ -232,6 +233,9 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path, dtd_root, tiny_clip_
     first = _popen(args)
     try:
         _wait_for(lambda: osp.isfile(osp.join(out, "log.txt")), first)
+        # stopped, the first run still holds the folder's lock; its 200 epochs no longer take
+        # the CPU from the second run's start-up (they made this test wait on wall time)
+        first.send_signal(signal.SIGSTOP)
         err = _user_error(run_train(args, check=False))
         assert f"in use by another run (pid {first.pid} on host" in err
         assert "choose another --output-dir" in err
@@ -240,8 +244,11 @@ def test_second_run_into_a_busy_folder_is_refused(tmp_path, dtd_root, tiny_clip_
         first.wait()
     lock = osp.join(out, ".lock")
     assert f"pid {first.pid}" in open(lock).read()  # a stale lock of a dead process
-    run_train(_args(dtd_root, out, tiny_clip_opts, "OPTIM.MAX_EPOCH", "200", flags=["--no-train"]))
-    assert open(lock).read() == ""  # taken over, then released
+    # taken over by a run in this process (the holder is another, dead process), then released
+    train_in_process(
+        _args(dtd_root, out, tiny_clip_opts, "OPTIM.MAX_EPOCH", "200", flags=["--no-train"])
+    )
+    assert open(lock).read() == ""
 
 
 def test_lock_is_per_folder_and_released(tmp_path):
@@ -276,7 +283,7 @@ def test_diverged_run_keeps_its_last_finite_checkpoint_and_is_not_resumed_blindl
     assert "diverged at epoch 2" in err and "--force-resume" in err and "--overwrite" in err
     # ... unless asked, with a sane LR: it resumes from the last finite checkpoint
     good = _args(dtd_root, out, tiny_clip_opts, "OPTIM.MAX_EPOCH", "2", flags=["--force-resume"])
-    run_train(good)
+    train_in_process(good)
     log = open(sorted(osp.join(out, f) for f in os.listdir(out) if f.startswith("log.txt"))[-1])
     log = log.read()
     assert "Previous epoch: 1" in log and "epoch [2/2]" in log and "Finish training" in log
@@ -515,7 +522,7 @@ def test_eval_from_an_original_coop_checkpoint(tmp_path, dtd_root, tiny_clip_opt
         torch.load(model_dir / "prompt_learner" / "model.pth.tar-2", weights_only=True)
     flags = ["--eval-only", "--model-dir", str(model_dir), "--load-epoch", "2"]
     out = str(tmp_path / "eval")
-    run_train(_args(dtd_root, out, tiny_clip_opts, flags=flags))
+    train_in_process(_args(dtd_root, out, tiny_clip_opts, flags=flags))
     log = _log(out)
     assert "val result: 71.2" in log and "=> result" in log and "* accuracy:" in log
 

@@ -17,7 +17,8 @@ import random
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import train_in_process
 
 from engine import build_trainer
 from engine.clip.toy import TINY_OPTS, write_tiny_clip
@@ -228,16 +229,17 @@ def test_train_base_then_new_with_sample(tmp_path, dtd_root, deep_opts):
     common += ["TRAINER.SKIP.START_LAYER", "2", "TRAINER.SKIP.PREC", "fp32"]
     common += ["DATASET.NUM_SHOTS", "4", "TRAINER.SKIP.QUICK_BATCH_SIZE", "8"]
     train_dir, test_dir = str(tmp_path / "train"), str(tmp_path / "test")
-    run_train([*common, "--optim-config-file", sample, "--output-dir", train_dir,
-               "OPTIM.MAX_EPOCH", "1", "OPTIM.SAM.START_EPOCH", "0",
-               "DATASET.SUBSAMPLE_CLASSES", "base"])  # fmt: skip
+    train_in_process([*common, "--optim-config-file", sample, "--output-dir", train_dir,
+                      "OPTIM.MAX_EPOCH", "1", "OPTIM.SAM.START_EPOCH", "0",
+                      "DATASET.SUBSAMPLE_CLASSES", "base"])  # fmt: skip
     log = open(osp.join(train_dir, "log.txt")).read()
     assert "Finish training" in log and "accuracy" in log and "sample" in log.lower()
     state = torch.load(osp.join(train_dir, "learnable_params", "model.pth.tar-1"))["state_dict"]
     assert "text_encoder.transformer.resblocks.2.attn.in_proj_weight" in state
     assert not any("resblocks.1." in k or "conv1" in k or "token_embedding" in k for k in state)
-    run_train([*common, "--output-dir", test_dir, "--model-dir", train_dir, "--load-epoch", "1",
-               "--eval-only", "DATASET.SUBSAMPLE_CLASSES", "new"])  # fmt: skip
+    train_in_process([*common, "--output-dir", test_dir, "--model-dir", train_dir,
+                      "--load-epoch", "1", "--eval-only",
+                      "DATASET.SUBSAMPLE_CLASSES", "new"])  # fmt: skip
     assert "accuracy" in open(osp.join(test_dir, "log.txt")).read()
 
 

@@ -9,7 +9,8 @@ import os.path as osp
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, make_cfg, run_train
+from conftest import ROOT, make_cfg
+from helpers import train_in_process
 
 from engine import build_trainer
 from engine.clip import encode_texts, tokenize
@@ -250,7 +251,7 @@ def test_train_py_sgd_and_sample_then_new_classes(tmp_path, dtd_root, deep_clip_
         args = _train_args(
             dtd_root, out, deep_clip_opts, *extra, "DATASET.SUBSAMPLE_CLASSES", "base", flags=flags
         )
-        run_train(args)
+        train_in_process(args)
         log = open(osp.join(out, "log.txt")).read()
         assert "Finish training" in log and "* accuracy" in log and " kg " in log
         path = osp.join(out, "prompt_learner", "model.pth.tar-1")
@@ -258,7 +259,7 @@ def test_train_py_sgd_and_sample_then_new_classes(tmp_path, dtd_root, deep_clip_
     assert list(ckpts["sample"]) == [n.removeprefix("prompt_learner.") for n in LEARNABLE]
     new = str(tmp_path / "new")
     flags = ["--eval-only", "--model-dir", str(tmp_path / "sample"), "--load-epoch", "1"]
-    run_train(
+    train_in_process(
         _train_args(dtd_root, new, deep_clip_opts, "DATASET.SUBSAMPLE_CLASSES", "new", flags=flags)
     )
     log = open(osp.join(new, "log.txt")).read()

@@ -1,4 +1,6 @@
-"""End-to-end runs of train.py in a subprocess on a generated DTD dataset and the tiny CLIP."""
+"""End-to-end runs of train.py on a generated DTD dataset and the tiny CLIP: in a subprocess
+(train, then evaluate; the error paths' exit status and stderr), and in-process
+(helpers.train_in_process) where the point is the run (resume, seeds), not the process."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import shutil
 import pytest
 import torch
 from conftest import run_train
-from helpers import coop_args
+from helpers import coop_args, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +63,7 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, dtd_root, tin
     full = str(tmp_path / "full")
     # SAMPLe: the resumed run needs the momentum and the moving average from the checkpoint
     extra = ["OPTIM.MAX_EPOCH", "4", "TRAIN.CHECKPOINT_FREQ", "1", "OPTIM.SAM.NAME", "sample"]
-    run_train(_args(dtd_root, full, tiny_clip_opts, *extra))
+    train_in_process(_args(dtd_root, full, tiny_clip_opts, *extra))
     # the same run "killed" after epoch 2: later checkpoints gone, pointer at epoch 2
     cut = str(tmp_path / "cut")
     shutil.copytree(full, cut)
@@ -70,7 +72,7 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path, dtd_root, tin
     with open(osp.join(cut, "prompt_learner", "checkpoint"), "w") as f:
         f.write("model.pth.tar-2\n")
     os.remove(osp.join(cut, "log.txt"))
-    run_train(_args(dtd_root, cut, tiny_clip_opts, *extra))
+    train_in_process(_args(dtd_root, cut, tiny_clip_opts, *extra))
     log = open(osp.join(cut, "log.txt")).read()
     assert "Previous epoch: 2" in log and "epoch [3/4]" in log and "epoch [1/4]" not in log
     a, b = _ckpt(full, 4), _ckpt(cut, 4)
@@ -83,7 +85,7 @@ def test_seed_zero_is_a_seed(tmp_path, dtd_root, tiny_clip_opts):
     outs = []
     for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
         out = str(tmp_path / name)
-        run_train(_args(dtd_root, out, tiny_clip_opts, "OPTIM.MAX_EPOCH", "1", seed=seed))
+        train_in_process(_args(dtd_root, out, tiny_clip_opts, "OPTIM.MAX_EPOCH", "1", seed=seed))
         outs.append(_ckpt(out, 1)["state_dict"]["ctx"])
     assert "SEED: 0" in open(osp.join(tmp_path / "a", "config.yaml")).read()
     assert torch.equal(outs[0], outs[1])
