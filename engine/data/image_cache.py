@@ -95,6 +95,10 @@ class DecodedImageCache:
     def __len__(self) -> int:
         return len(self._images)
 
+    def tensors(self) -> dict[int, torch.Tensor]:
+        """``index -> uint8 [3, H, W]``, every cached image (do not modify them)."""
+        return self._images
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in self._images.values())
