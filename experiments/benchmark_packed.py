@@ -10,6 +10,11 @@ objects, stopping its loader workers) and the next run's start-up up to the end 
 ``cost.json`` breaks down; ``fixed_s`` leaves out the first step itself (its phase ``first
 step``: the step's compute, which every step costs). Not in the gap: the grid's own bookkeeping
 and the one-line request over the worker's pipe (milliseconds).
+
+With loader workers it measures both ways of a packed worker: the loader worker processes kept
+for all its runs (engine/data/worker_pool.py, the default there) and a DataLoader forking and
+joining them in every run (before the pool; ``worker_pool.allow(False)``), and the kept
+workers' own memory (not shared with the parent) after each run.
 """
 
 from __future__ import annotations
@@ -22,15 +27,27 @@ import statistics
 import tempfile
 import time
 
+# (loader workers, kept across runs by the worker pool)
+SETTINGS = ((0, False), (4, False), (4, True))
 
-def packed_gaps(device: str = "cpu", runs: int = 4, workers=(0, 4), epochs: int = 1) -> dict:
+
+def setting_name(n_workers: int, kept: bool) -> str:
+    if not n_workers:
+        return "0 loader workers"
+    how = "kept across runs (pool)" if kept else "forked per run (DataLoader)"
+    return f"{n_workers} loader workers, {how}"
+
+
+def packed_gaps(device: str = "cpu", runs: int = 4, settings=SETTINGS, epochs: int = 1) -> dict:
     """Consecutive CoOp runs (experiments.benchmark_runs.run_argv: the tiny CLIP on CPU) in this
-    process, once per loader worker count; the gaps between them and the phases of the next
-    run's start-up (medians over the runs after the first)."""
+    process, once per setting (loader workers, whether the worker pool keeps them); the gaps
+    between them and the phases of the next run's start-up (medians over the runs after the
+    first)."""
     import datasets  # noqa: F401  (registers the readers, as the worker does)
     import trainers  # noqa: F401  (registers the trainers, as the worker does)
     from engine import phases
     from engine.clip.model import cache_weights
+    from engine.data import worker_pool
     from engine.runner import run_packed
     from experiments.benchmark_runs import make_run_data, run_argv
     from experiments.benchmark_steps import device_description
@@ -56,17 +73,23 @@ def packed_gaps(device: str = "cpu", runs: int = 4, workers=(0, 4), epochs: int 
     result = {"device": device_description(device), "runs_per_setting": runs, "settings": {}}
     phases.first_step_done, phases.run_ended = on_first_step, on_end
     try:
-        for n_workers in workers:
+        for n_workers, kept in settings:
             marks["first_step"].clear()
             marks["end"].clear()
-            outs = []
+            outs, rss = [], []
+            worker_pool.allow(kept)
             for k in range(runs):
-                out = osp.join(tmp, f"w{n_workers}", f"run{k}")
+                out = osp.join(tmp, f"w{n_workers}{'k' if kept else ''}", f"run{k}")
                 outs.append(out)
                 argv = run_argv(root, out, device, k + 1, epochs, n_workers)
                 with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
                     if run_packed(argv, k) != 0:  # as the worker's serve() runs them
                         raise RuntimeError(f"run {k} failed: {argv}")
+                pool = worker_pool.current_pool()
+                if kept and pool is not None:
+                    rss.append([round(s["private_bytes"] / 2**20, 1) for s in pool.stats()])
+            worker_pool.shutdown_pool()
+            worker_pool.allow(True)
             gaps = [marks["first_step"][k + 1] - marks["end"][k] for k in range(runs - 1)]
             startups = []
             for out in outs[1:]:
@@ -75,7 +98,7 @@ def packed_gaps(device: str = "cpu", runs: int = 4, workers=(0, 4), epochs: int 
             names = list(startups[0]["phases"])
             # the fixed cost: the gap without the next run's first step itself (its compute)
             fixed = [g - s["phases"].get("first step", 0.0) for g, s in zip(gaps, startups)]
-            result["settings"][f"{n_workers} loader workers"] = {
+            row = result["settings"][setting_name(n_workers, kept)] = {
                 "gaps_s": [round(g, 3) for g in gaps],
                 "median_gap_s": round(statistics.median(gaps), 3),
                 "fixed_s": [round(f, 3) for f in fixed],
@@ -88,6 +111,8 @@ def packed_gaps(device: str = "cpu", runs: int = 4, workers=(0, 4), epochs: int 
                     for n in names
                 },
             }
+            if rss:  # after each run: memory held by the kept workers must not grow
+                row["pool_worker_private_mb_after_each_run"] = rss
     finally:
         phases.first_step_done, phases.run_ended = first_step_done, run_ended
     result["target_s"] = 1.0
@@ -103,4 +128,7 @@ def print_packed_gaps(result: dict) -> None:
             f"  {name}: median {row['median_gap_s']:.2f} s (gaps {row['gaps_s']}); without the "
             f"first step's own compute {row['median_fixed_s']:.2f} s ({row['fixed_s']}); {parts}"
         )
+        if "pool_worker_private_mb_after_each_run" in row:
+            rss = [max(r) for r in row["pool_worker_private_mb_after_each_run"]]
+            print(f"    kept workers' own memory after each run (largest, MB): {rss}")
     print(f"  target: <= {result['target_s']:.0f} s without the step itself")

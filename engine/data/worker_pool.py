@@ -162,12 +162,19 @@ def _fingerprint(dataset) -> tuple:
 
 
 # -- the worker processes ---------------------------------------------------------------------
-def _rss_bytes() -> int:
+def _memory() -> dict:
+    """This process's resident memory and the part of it that is its own (not shared with the
+    parent it was forked from), in bytes (-1 where /proc cannot tell)."""
+    out = {"rss_bytes": -1, "private_bytes": -1}
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return -1
+        with open("/proc/self/smaps_rollup") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return out
+    kb = lambda name: int(fields.get(name, "-1 kB").split()[0])  # noqa: E731
+    out["rss_bytes"] = kb("Rss") * 1024
+    out["private_bytes"] = (kb("Private_Clean") + kb("Private_Dirty")) * 1024
+    return out
 
 
 class _WorkerState:
@@ -289,7 +296,7 @@ def _worker_loop(wid, num_workers, tasks, results, cancelled, parent_pid):
         elif kind == "drop":
             state.drop(msg[1])
         elif kind == "stats":
-            results.put((0, wid, {"datasets": len(state.datasets), "rss_bytes": _rss_bytes()}))
+            results.put((0, wid, {"datasets": len(state.datasets), **_memory()}))
 
 
 class WorkerPool:
@@ -405,7 +412,7 @@ class WorkerPool:
         return box.pop(idx)
 
     def stats(self) -> list[dict]:
-        """Each worker's ``{"datasets": held, "rss_bytes": resident memory}`` (tests)."""
+        """Each worker's ``{"datasets": held, "rss_bytes", "private_bytes"}`` (_memory)."""
         for tasks in self.queues:
             tasks.put(("stats",))
         replies: dict[int, dict] = {}
