@@ -15,6 +15,12 @@ one trainer and dataset) decode each file once: decoded images stay in a process
 keyed by (path, modification time, size), the most recently used ones first, within the run's
 ``CACHE_DECODED_MB`` (:func:`process_store_info`, :func:`clear_process_store`). A file changed
 on disk is decoded again; the tensors are never modified (the pipelines copy them).
+
+In a packed worker whose loader workers are kept across runs (:mod:`.worker_pool`), the images
+are decoded into blocks of shared memory (:data:`SLAB_BYTES` each), so the kept workers, forked
+before the run, map the run's images without a copy: a run sends one handle per block. A block
+is freed when none of its images is cached any more (images dropped from the store leave their
+space in a block unused until then).
 """
 
 from __future__ import annotations
@@ -36,6 +42,35 @@ logger = logging.getLogger(__name__)
 # (path, mtime_ns, size) -> uint8 [3, H, W]: decoded images kept between the runs of a process
 _STORE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _STORE_LOCK = threading.Lock()
+
+
+SLAB_BYTES = 64 * 2**20  # a block of shared memory that decoded images are placed in
+_SLAB: dict = {"flat": None, "used": 0}
+_SLAB_LOCK = threading.Lock()
+
+
+def to_shared(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (uint8) placed in the current block of shared memory (a new block
+    when it is full; an image larger than a block gets one of its own)."""
+    n = tensor.numel()
+    with _SLAB_LOCK:
+        if n > SLAB_BYTES:
+            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))
+            start = 0
+        else:
+            if _SLAB["flat"] is None or _SLAB["used"] + n > SLAB_BYTES:
+                storage = torch.UntypedStorage._new_shared(SLAB_BYTES)
+                _SLAB["flat"], _SLAB["used"] = torch.empty(0, dtype=torch.uint8).set_(storage), 0
+            flat, start = _SLAB["flat"], _SLAB["used"]
+            _SLAB["used"] += n
+        view = flat[start : start + n].view(tensor.shape)
+    return view.copy_(tensor)
+
+
+def _release_slab() -> None:
+    """Stop placing images in the current block (it is freed with its last image)."""
+    with _SLAB_LOCK:
+        _SLAB["flat"], _SLAB["used"] = None, 0
 
 
 def _file_key(path: str) -> tuple | None:
@@ -81,6 +116,7 @@ def process_store_info() -> tuple[int, int]:
 def clear_process_store() -> None:
     with _STORE_LOCK:
         _STORE.clear()
+    _release_slab()
 
 
 class DecodedImageCache:
@@ -134,6 +170,9 @@ class DecodedImageCache:
         if budget <= 0 or not data_source:
             return None, bad
         unreadable = {p for p, _ in bad}
+        from .worker_pool import is_active
+
+        shared = is_active()  # kept loader workers read the images from shared memory
 
         def size(item) -> int:  # the header only: no decoding
             if item.impath in unreadable:
@@ -150,6 +189,8 @@ class DecodedImageCache:
             try:
                 with Image.open(item.impath) as img:
                     tensor = pil_to_tensor(img.convert("RGB"))  # [3, H, W] uint8
+                if shared:
+                    tensor = to_shared(tensor)
             except Exception as e:  # reported with the others, not raised from a thread
                 return None, describe(e), False
             _store_put(key, tensor)

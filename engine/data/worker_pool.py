@@ -113,40 +113,52 @@ def is_active() -> bool:
 
 # -- the decoded-image cache in shared memory ------------------------------------------------
 class SharedImages:
-    """A decoded-image cache (``index -> uint8 [3, H, W]``) packed into one shared-memory block,
-    so workers forked before the run see it (pickled as one handle; views on ``get``)."""
+    """A decoded-image cache (``index -> uint8 [3, H, W]``) that workers forked before the run
+    can read: its images in blocks of shared memory, each block pickled as one handle.
 
-    def __init__(self, flat: torch.Tensor, spans: dict[int, tuple[int, tuple[int, ...]]]):
-        self.flat = flat
-        self.spans = spans  # index -> (offset, shape)
+    Images already in shared memory (decoded in a packed worker: image_cache.to_shared) are
+    referenced where they are; others (decoded before the pool was active) are copied into one
+    new block for the run.
+    """
+
+    def __init__(self, blocks: list[torch.Tensor], spans: dict[int, tuple], copied: int = 0):
+        self.blocks = blocks  # flat uint8 tensors over whole storages
+        self.spans = spans  # index -> (block, offset, shape)
+        self.copied = copied  # bytes copied for the run (images not yet in shared memory)
 
     @classmethod
     def pack(cls, cache) -> SharedImages:
-        tensors = cache.tensors()
-        total = sum(t.numel() for t in tensors.values())
-        storage = torch.UntypedStorage._new_shared(max(total, 1))
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        spans, offset = {}, 0
-        for idx, tensor in tensors.items():
-            n = tensor.numel()
-            flat[offset : offset + n].copy_(tensor.reshape(-1))
-            spans[idx] = (offset, tuple(tensor.shape))
-            offset += n
-        return cls(flat, spans)
+        blocks, block_of, spans, private, total = [], {}, {}, {}, 0
+        for idx, tensor in cache.tensors().items():
+            storage = tensor.untyped_storage()
+            if not (storage.is_shared() and tensor.is_contiguous()):
+                private[idx] = tensor
+                continue
+            if storage.data_ptr() not in block_of:
+                block_of[storage.data_ptr()] = len(blocks)
+                blocks.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            spans[idx] = (block_of[storage.data_ptr()], tensor.storage_offset(), tensor.shape)
+        if private:
+            total = sum(t.numel() for t in private.values())
+            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
+            offset = 0
+            for idx, tensor in private.items():
+                n = tensor.numel()
+                flat[offset : offset + n].copy_(tensor.reshape(-1))
+                spans[idx] = (len(blocks), offset, tensor.shape)
+                offset += n
+            blocks.append(flat)
+        return cls(blocks, spans, total)
 
     def get(self, idx: int) -> torch.Tensor | None:
         span = self.spans.get(idx)
         if span is None:
             return None
-        offset, shape = span
-        return self.flat[offset : offset + math.prod(shape)].view(shape)
+        block, offset, shape = span
+        return self.blocks[block][offset : offset + math.prod(shape)].view(shape)
 
     def __len__(self) -> int:
         return len(self.spans)
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel()
 
 
 def _fingerprint(dataset) -> tuple:
@@ -324,7 +336,9 @@ class WorkerPool:
             self.queues.append(tasks)
             self.procs.append(proc)
         logger.info(
-            "Loader worker pool: %d processes, kept for the runs of this process", num_workers
+            "Loader worker pool: %d processes (pids %s), kept for the runs of this process",
+            num_workers,
+            " ".join(str(p.pid) for p in self.procs),
         )
 
     # registration --------------------------------------------------------------------------
@@ -418,14 +432,14 @@ class WorkerPool:
         replies: dict[int, dict] = {}
         while len(replies) < self.num_workers:
             try:
-                rid, wid, data = self.results.get(timeout=POLL_S)
+                rid, second, data = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 self.check_alive()
                 continue
-            if rid == 0:
-                replies[wid] = data
-            elif rid in self.pending:
-                self.pending[rid][wid] = data
+            if rid == 0:  # a reply: (0, worker, stats)
+                replies[second] = data
+            elif rid in self.pending:  # a batch: (iteration, index, data)
+                self.pending[rid][second] = data
         return [replies[w] for w in range(self.num_workers)]
 
     def pids(self) -> list[int]:
