@@ -49,6 +49,25 @@ _SLAB: dict = {"flat": None, "used": 0}
 _SLAB_LOCK = threading.Lock()
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Its elements fill ``numel`` consecutive places in some order (a contiguous tensor, or a
+    permutation of one: ``pil_to_tensor``'s ``[3, H, W]`` view of ``[H, W, 3]`` memory)."""
+    span = sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride())) + 1
+    return tensor.numel() == span and all(step > 0 for step in tensor.stride())
+
+
+def place(flat: torch.Tensor, start: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into ``flat[start:]`` with its own strides (a plain memory copy, and
+    the pipelines see the same memory layout as the original's); a non-dense one is made
+    contiguous first."""
+    if not is_dense(tensor):
+        tensor = tensor.contiguous()
+    order = sorted(range(tensor.ndim), key=lambda d: -tensor.stride(d))  # memory order
+    source = tensor.permute(order)  # contiguous
+    target = flat[start : start + tensor.numel()].view(source.shape).copy_(source)
+    return target.permute([order.index(d) for d in range(tensor.ndim)])
+
+
 def to_shared(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor`` (uint8) placed in the current block of shared memory (a new block
     when it is full; an image larger than a block gets one of its own)."""
@@ -63,8 +82,7 @@ def to_shared(tensor: torch.Tensor) -> torch.Tensor:
                 _SLAB["flat"], _SLAB["used"] = torch.empty(0, dtype=torch.uint8).set_(storage), 0
             flat, start = _SLAB["flat"], _SLAB["used"]
             _SLAB["used"] += n
-        view = flat[start : start + n].view(tensor.shape)
-    return view.copy_(tensor)
+    return place(flat, start, tensor)
 
 
 def _release_slab() -> None:

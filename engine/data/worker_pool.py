@@ -48,7 +48,6 @@ import copy
 import gc
 import itertools
 import logging
-import math
 import os
 import pickle
 import queue
@@ -65,6 +64,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 from torch.utils.data.dataloader import _DatasetKind
 
 from .device_finish import FinishingLoader
+from .image_cache import is_dense, place
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class SharedImages:
 
     def __init__(self, blocks: list[torch.Tensor], spans: dict[int, tuple], copied: int = 0):
         self.blocks = blocks  # flat uint8 tensors over whole storages
-        self.spans = spans  # index -> (block, offset, shape)
+        self.spans = spans  # index -> (block, offset, shape, strides)
         self.copied = copied  # bytes copied for the run (images not yet in shared memory)
 
     @classmethod
@@ -131,22 +131,22 @@ class SharedImages:
         blocks, block_of, spans, private, total = [], {}, {}, {}, 0
         for idx, tensor in cache.tensors().items():
             storage = tensor.untyped_storage()
-            if not (storage.is_shared() and tensor.is_contiguous()):
+            if not (storage.is_shared() and is_dense(tensor)):
                 private[idx] = tensor
                 continue
             if storage.data_ptr() not in block_of:
                 block_of[storage.data_ptr()] = len(blocks)
                 blocks.append(torch.empty(0, dtype=torch.uint8).set_(storage))
-            spans[idx] = (block_of[storage.data_ptr()], tensor.storage_offset(), tensor.shape)
+            where = (block_of[storage.data_ptr()], tensor.storage_offset())
+            spans[idx] = (*where, tuple(tensor.shape), tensor.stride())
         if private:
             total = sum(t.numel() for t in private.values())
             flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
             offset = 0
             for idx, tensor in private.items():
-                n = tensor.numel()
-                flat[offset : offset + n].copy_(tensor.reshape(-1))
-                spans[idx] = (len(blocks), offset, tensor.shape)
-                offset += n
+                placed = place(flat, offset, tensor)  # its own strides: a memory copy
+                spans[idx] = (len(blocks), offset, tuple(placed.shape), placed.stride())
+                offset += tensor.numel()
             blocks.append(flat)
         return cls(blocks, spans, total)
 
@@ -154,8 +154,8 @@ class SharedImages:
         span = self.spans.get(idx)
         if span is None:
             return None
-        block, offset, shape = span
-        return self.blocks[block][offset : offset + math.prod(shape)].view(shape)
+        block, offset, shape, stride = span
+        return torch.as_strided(self.blocks[block], shape, stride, offset)
 
     def __len__(self) -> int:
         return len(self.spans)
