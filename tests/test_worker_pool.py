@@ -224,6 +224,34 @@ def test_unpicklable_dataset_and_own_dataloaders_keep_working(dtd_root_shared):
     assert_same_batches(expected, list(own))
 
 
+class PrintingWrapper(DatasetWrapper):
+    """Writes to file descriptor 2 from the worker (as a warning or a C library would; pytest
+    replaces sys.stderr, not the descriptor)."""
+
+    def __getitem__(self, key):
+        os.write(2, f"making item {key} of {self.cfg.OUTPUT_DIR}\n".encode())
+        return super().__getitem__(key)
+
+
+def test_kept_workers_write_to_the_current_runs_console(dtd_root_shared, tmp_path):
+    """A worker's own output goes where the run's does (a packed worker's console file per
+    run, engine.runner.output_to), not to the console of the run that forked the pool."""
+    from engine.runner import output_to
+
+    wp.activate()
+    for run in ("first", "second"):
+        cfg = loader_cfg(dtd_root_shared, "pil", "2", "OUTPUT_DIR", run)
+        dm = DataManager(cfg)
+        items = dm.test_loader.dataset.data_source[:4]
+        wrapper = PrintingWrapper(cfg, items, dm.tfm_test)
+        loader = wp.PooledLoader(wrapper, batch_size=2, num_workers=2)
+        with output_to(str(tmp_path / f"{run}.txt")):
+            list(loader)
+    first, second = (open(tmp_path / f"{r}.txt").read() for r in ("first", "second"))
+    assert first.count("of first") == 4 and second.count("of second") == 4
+    assert "second" not in first
+
+
 def pool_pids(log: str) -> list[int]:
     found = re.findall(r"Loader worker pool: \d+ processes \(pids ([\d ]+)\)", log)
     return [int(p) for line in found for p in line.split()]

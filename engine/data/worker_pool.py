@@ -49,10 +49,12 @@ import gc
 import itertools
 import logging
 import os
+import os.path as osp
 import pickle
 import queue
 import random
 import signal
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -174,6 +176,15 @@ def _fingerprint(dataset) -> tuple:
 
 
 # -- the worker processes ---------------------------------------------------------------------
+def _console() -> str | None:
+    """The regular file this process's stdout goes to now (None: a terminal, a pipe)."""
+    try:
+        path = os.readlink("/proc/self/fd/1")
+    except OSError:
+        return None
+    return path if osp.isfile(path) else None
+
+
 def _memory() -> dict:
     """This process's resident memory and the part of it that is its own (not shared with the
     parent it was forked from), in bytes (-1 where /proc cannot tell)."""
@@ -198,6 +209,23 @@ class _WorkerState:
         self.seeds: dict[int, int] = {}
         self.rng: dict[int, tuple] = {}  # key -> saved (random, torch, numpy) states
         self.current: int | None = None
+        self.console: str | None = None
+
+    def follow(self, console: str | None) -> None:
+        """Write this process's output (warnings, prints) where the parent's goes now: a
+        packed worker sends each run's output to that run's console file (runner.output_to)."""
+        if not console or console == self.console:
+            return
+        try:
+            fd = os.open(console, os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        self.console = console
 
     def _save(self) -> tuple:
         np_state = None
@@ -290,7 +318,8 @@ def _worker_loop(wid, num_workers, tasks, results, cancelled, parent_pid):
             results.put((iter_id, idx, data))
             del data
         elif kind == "data":
-            _, key, payload = msg
+            _, key, payload, console = msg
+            state.follow(console)
             state.drop([key])
             try:
                 dataset, auto_collation, collate_fn, drop_last = pickle.loads(payload)
@@ -370,8 +399,9 @@ class WorkerPool:
             payloads = [bytes(ForkingPickler.dumps(obj)) for _ in self.queues]
         except _PICKLING_ERRORS as e:
             raise DatasetNotPicklable(str(e)) from e
+        console = _console()
         for tasks, payload in zip(self.queues, payloads):
-            tasks.put(("data", key, payload))
+            tasks.put(("data", key, payload, console))
         self.registered[key] = fingerprint
 
     def seed(self, key: int, base_seed: int) -> None:
