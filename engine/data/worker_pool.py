@@ -318,11 +318,13 @@ def _worker_loop(wid, num_workers, tasks, results, cancelled, parent_pid):
             results.put((iter_id, idx, data))
             del data
         elif kind == "data":
-            _, key, payload, console = msg
+            _, key, payload, images_payload, console = msg
             state.follow(console)
             state.drop([key])
             try:
                 dataset, auto_collation, collate_fn, drop_last = pickle.loads(payload)
+                if images_payload is not None:
+                    dataset.images = pickle.loads(images_payload)
                 fetcher = _DatasetKind.create_fetcher(
                     _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
                 )
@@ -331,7 +333,7 @@ def _worker_loop(wid, num_workers, tasks, results, cancelled, parent_pid):
                 state.datasets[key] = ExceptionWrapper(
                     where=f"in loader pool worker {wid}, receiving a dataset"
                 )
-            del payload
+            del payload, images_payload
         elif kind == "seed":
             state.seed(msg[1], msg[2])
         elif kind == "drop":
@@ -381,27 +383,30 @@ class WorkerPool:
         fingerprint = _fingerprint(dataset)
         if self.registered.get(key) == fingerprint:
             return
-        sent = dataset
+        sent, shared = dataset, None
         images = getattr(dataset, "images", None)
         if images is not None and hasattr(images, "tensors"):
             pack = self.packs.get(key)
             if pack is None or pack[0] is not images:
                 pack = (images, SharedImages.pack(images))
                 self.packs[key] = pack
-            sent = copy.copy(dataset)
-            sent.images = pack[1]
+            sent, shared = copy.copy(dataset), pack[1]
+            sent.images = None  # sent apart: handles to its shared memory, one set per worker
         elif key in self.packs:
             del self.packs[key]
         obj = (sent, loader._auto_collation, loader.collate_fn, loader.drop_last)
-        # pickled here, once per worker (each its own shared-memory handles), so an error is
-        # raised to the caller instead of in a queue's feeder thread
+        # pickled here, so an error is raised to the caller instead of in a queue's feeder
+        # thread; the dataset once for all workers, the images' handles once per worker
         try:
-            payloads = [bytes(ForkingPickler.dumps(obj)) for _ in self.queues]
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            handles = [
+                None if shared is None else bytes(ForkingPickler.dumps(shared)) for _ in self.queues
+            ]
         except _PICKLING_ERRORS as e:
             raise DatasetNotPicklable(str(e)) from e
         console = _console()
-        for tasks, payload in zip(self.queues, payloads):
-            tasks.put(("data", key, payload, console))
+        for tasks, images_payload in zip(self.queues, handles):
+            tasks.put(("data", key, payload, images_payload, console))
         self.registered[key] = fingerprint
 
     def seed(self, key: int, base_seed: int) -> None:
