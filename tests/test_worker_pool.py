@@ -58,6 +58,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+def shm_mappings(pid: int) -> set[str]:
+    """The shared-memory files process ``pid`` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if "/dev/shm/" in line}
+
+
 def assert_same_batches(a: list, b: list) -> None:
     assert len(a) == len(b) and a
     for x, y in zip(a, b):
@@ -114,6 +120,7 @@ def test_pool_gives_the_dataloaders_batches_bit_for_bit(dtd_root_shared, pipelin
     if cache == "shared":  # built in the packed worker: decoded into shared memory
         clear_process_store()
         dm, sharded = build()
+        at_fork = [shm_mappings(pid) for pid in wp.current_pool().pids()]
     after, rng_after = passes(dm, sharded)
     pool = wp.current_pool()
     assert pool is not None and dm.train_loader_x._pool_refused is None
@@ -129,6 +136,12 @@ def test_pool_gives_the_dataloaders_batches_bit_for_bit(dtd_root_shared, pipelin
     assert set(pool.pids()) == children
     if seed != "-1":
         assert_same_batches(before, again)
+    # the end of the run: the workers map none of its shared memory any more
+    wp.release_all()
+    assert all(s["datasets"] == 0 for s in pool.stats())
+    if cache == "shared":
+        now = [shm_mappings(pid) for pid in pool.pids()]
+        assert now == at_fork
 
 
 class FailingWrapper(DatasetWrapper):

@@ -329,7 +329,9 @@ class DataManager:
         if loader is None or self._train_images_checked:
             return
         from .image_cache import DecodedImageCache
+        from .worker_pool import prepare_pool
 
+        prepare_pool(loader)  # a packed worker forks its kept workers before the images exist
         wrapper = loader.dataset
         items = wrapper.data_source
         if self.cfg.DATALOADER.CACHE_DECODED and not wrapper.images:

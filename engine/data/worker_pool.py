@@ -261,6 +261,22 @@ class _WorkerState:
                 dataset=entry[0],
             )
 
+    def receive(self, key: int, payload: bytes, images_payload: bytes | None) -> None:
+        """Hold the dataset of loader ``key`` (a method: no local of the loop refers to it)."""
+        self.drop([key])
+        try:
+            dataset, auto_collation, collate_fn, drop_last = pickle.loads(payload)
+            if images_payload is not None:
+                dataset.images = pickle.loads(images_payload)
+            fetcher = _DatasetKind.create_fetcher(
+                _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
+            )
+            self.datasets[key] = (dataset, fetcher)
+        except Exception:
+            self.datasets[key] = ExceptionWrapper(
+                where=f"in loader pool worker {self.wid}, receiving a dataset"
+            )
+
     def seed(self, key: int, base_seed: int) -> None:
         """Seed as DataLoader's ``_worker_loop`` seeds worker ``wid``."""
         self.switch(key)
@@ -316,24 +332,11 @@ def _worker_loop(wid, num_workers, tasks, results, cancelled, parent_pid):
             except Exception:
                 data = ExceptionWrapper(where=f"in loader pool worker {wid}")
             results.put((iter_id, idx, data))
-            del data
+            del data, entry  # a dropped dataset must not stay referenced from here
         elif kind == "data":
-            _, key, payload, images_payload, console = msg
-            state.follow(console)
-            state.drop([key])
-            try:
-                dataset, auto_collation, collate_fn, drop_last = pickle.loads(payload)
-                if images_payload is not None:
-                    dataset.images = pickle.loads(images_payload)
-                fetcher = _DatasetKind.create_fetcher(
-                    _DatasetKind.Map, dataset, auto_collation, collate_fn, drop_last
-                )
-                state.datasets[key] = (dataset, fetcher)
-            except Exception:
-                state.datasets[key] = ExceptionWrapper(
-                    where=f"in loader pool worker {wid}, receiving a dataset"
-                )
-            del payload, images_payload
+            state.follow(msg[4])
+            state.receive(*msg[1:4])
+            del msg  # the payload: nothing of a dropped dataset may stay referenced here
         elif kind == "seed":
             state.seed(msg[1], msg[2])
         elif kind == "drop":
@@ -516,6 +519,14 @@ def _pool_for(num_workers: int) -> WorkerPool | None:
     if _POOL is None:
         _POOL = WorkerPool(num_workers)
     return _POOL
+
+
+def prepare_pool(loader) -> None:
+    """Start the pool that will serve ``loader`` now, if it will serve it and is not running:
+    workers forked before a run's images are decoded hold no mapping of them (a mapping
+    inherited at the fork would keep their shared memory alive as long as the pool)."""
+    if _active and isinstance(loader, PooledLoader) and not _unsupported(loader):
+        _pool_for(loader.num_workers)
 
 
 def release_all() -> None:
