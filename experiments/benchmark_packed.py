@@ -76,7 +76,7 @@ def packed_gaps(device: str = "cpu", runs: int = 4, settings=SETTINGS, epochs: i
         for n_workers, kept in settings:
             marks["first_step"].clear()
             marks["end"].clear()
-            outs, rss = [], []
+            outs, rss, asked = [], [], [0.0] * runs  # asked: the memory query, not in the gap
             worker_pool.allow(kept)
             for k in range(runs):
                 out = osp.join(tmp, f"w{n_workers}{'k' if kept else ''}", f"run{k}")
@@ -87,10 +87,14 @@ def packed_gaps(device: str = "cpu", runs: int = 4, settings=SETTINGS, epochs: i
                         raise RuntimeError(f"run {k} failed: {argv}")
                 pool = worker_pool.current_pool()
                 if kept and pool is not None:
+                    t = time.perf_counter()
                     rss.append([round(s["private_bytes"] / 2**20, 1) for s in pool.stats()])
+                    asked[k] = time.perf_counter() - t
             worker_pool.shutdown_pool()
             worker_pool.allow(True)
-            gaps = [marks["first_step"][k + 1] - marks["end"][k] for k in range(runs - 1)]
+            gaps = [
+                marks["first_step"][k + 1] - marks["end"][k] - asked[k] for k in range(runs - 1)
+            ]
             startups = []
             for out in outs[1:]:
                 with open(osp.join(out, "cost.json")) as f:
