@@ -9,16 +9,17 @@ loaders (docs/performance.md, "Packed workers"). Inside a packed worker
 one pool of worker processes that lives as long as the process:
 
 - A loader's dataset (the :class:`~engine.data.manager.DatasetWrapper`: its items, transforms and
-  decoded-image cache) is pickled to every worker when the loader is first iterated (again only
+  decoded-image cache) is sent to every worker when the loader is first iterated (again only
   if its items, cache or transforms were replaced), and dropped from them when the run ends
   (:func:`release_all`, called between runs by ``shutdown_loaders``), so memory does not grow
   across runs.
 - The decoded-image cache: workers forked before a run cannot see the images the parent decodes
-  for it, so the run's cached images are copied into one block of shared memory when its loader
-  is registered (one handle per worker, :class:`SharedImages`); the parent keeps its process-wide
-  store of decoded images (engine/data/image_cache.py) for the next runs, and the block is freed
-  at the run's end. The copy is a memory copy per run (no decoding), measured in
-  docs/performance.md.
+  for it, so in a packed worker the images are decoded into blocks of shared memory
+  (engine/data/image_cache.py, ``to_shared``; the process-wide store keeps them for the next
+  runs) and a run hands them over as one handle per block (:class:`SharedImages`; images
+  decoded privately, before the pool was active, are copied into a block for the run). The pool
+  is forked before the first run's images are decoded (:func:`prepare_pool`), so a worker maps
+  a block only while a run uses it. The choice is measured in docs/performance.md.
 - The batches are those of the DataLoader: the same batch sampler iterated in the parent, batch
   ``i`` of an epoch made by worker ``i % N`` with DataLoader's prefetching (two batches per
   worker), the dataset fetched and collated by torch's own fetcher, each worker seeded as a
