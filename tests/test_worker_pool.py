@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, make_cfg
+from conftest import ROOT, make_cfg, run_train
 from torch.utils.data import DataLoader
 
 from engine.data import DataManager, DatasetWrapper
@@ -273,8 +273,11 @@ def pool_pids(log: str) -> list[int]:
 @pytest.mark.slow
 def test_packed_worker_forks_its_loader_workers_once(dtd_root, tiny_clip_opts, tmp_path):
     """A packed worker (tools/worker.py: engine.runner.serve and run_packed) runs three CoOp
-    runs with DATALOADER.NUM_WORKERS 2: the first forks the pool, the others reuse it; each run
-    finishes; the workers are gone when the worker process exits."""
+    runs with DATALOADER.NUM_WORKERS 2: the first forks the pool, the others reuse it; the
+    second run's folder is that of a train.py process (DataLoader's workers) bit for bit; the
+    workers are gone when the worker process exits."""
+    from test_packed_runs import assert_same_runs
+
     read_fd, write_fd = os.pipe()
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen(
@@ -282,17 +285,20 @@ def test_packed_worker_forks_its_loader_workers_once(dtd_root, tiny_clip_opts, t
         stdin=subprocess.PIPE, text=True, env=env, cwd=ROOT, pass_fds=(write_fd,),
     )  # fmt: skip
     os.close(write_fd)
-    outs = [str(tmp_path / f"run{k}") for k in range(3)]
+    outs = [str(tmp_path / "packed" / f"run{k}") for k in range(3)]
+
+    def argv(seed: int, out: str) -> list[str]:
+        return [
+            "--root", dtd_root, "--seed", str(seed), "--trainer", "CoOp",
+            "--dataset-config-file", osp.join(ROOT, "configs/datasets/dtd.yaml"),
+            "--output-dir", out, *tiny_clip_opts, "OPTIM.MAX_EPOCH", "2",
+            "DATASET.NUM_SHOTS", "2", "DATALOADER.NUM_WORKERS", "2",
+            "DATALOADER.TRAIN_X.BATCH_SIZE", "4", "TEST.FEATURE_CACHE", "False",
+        ]  # fmt: skip
+
     with os.fdopen(read_fd) as replies:
         for k, out in enumerate(outs):
-            argv = [
-                "--root", dtd_root, "--seed", str(k + 1), "--trainer", "CoOp",
-                "--dataset-config-file", osp.join(ROOT, "configs/datasets/dtd.yaml"),
-                "--output-dir", out, *tiny_clip_opts, "OPTIM.MAX_EPOCH", "1",
-                "DATASET.NUM_SHOTS", "2", "DATALOADER.NUM_WORKERS", "2",
-                "DATALOADER.TRAIN_X.BATCH_SIZE", "4", "TEST.FEATURE_CACHE", "False",
-            ]  # fmt: skip
-            request = {"argv": argv, "console": str(tmp_path / f"console{k}.txt")}
+            request = {"argv": argv(k + 1, out), "console": str(tmp_path / f"console{k}.txt")}
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
             assert json.loads(replies.readline()) == {"rc": 0}, open(request["console"]).read()
@@ -306,3 +312,6 @@ def test_packed_worker_forks_its_loader_workers_once(dtd_root, tiny_clip_opts, t
     pids = pool_pids(logs[0])
     assert len(pids) == 2 and not pool_pids(logs[1]) and not pool_pids(logs[2])
     assert not any(alive(pid) for pid in pids)
+    reference = str(tmp_path / "process" / "run1")
+    run_train(argv(2, reference))
+    assert_same_runs(outs[1], reference)
