@@ -233,8 +233,35 @@ def test_unpicklable_dataset_and_own_dataloaders_keep_working(dtd_root_shared):
     own = DataLoader(DatasetWrapper(cfg, items, tfm), batch_size=16, num_workers=2)
     expected = list(dm.test_loader)
     assert_same_batches(expected, list(loader))
-    assert "cannot be pickled" in loader._pool_refused
+    assert "cannot be sent" in loader._pool_refused and "lambda" in loader._pool_refused
     assert_same_batches(expected, list(own))
+
+
+def test_a_cache_larger_than_the_shared_memory_uses_dataloaders_workers(
+    dtd_root_shared, monkeypatch
+):
+    """A /dev/shm without room (a container's default is 64 MB): the images stay private and
+    the training loader forks its own workers, with the same batches."""
+    from engine.data import image_cache
+
+    clear_process_store()
+    cfg = loader_cfg(dtd_root_shared)
+    dm = DataManager(cfg)
+    dm.cache_training_images()
+    expected = list(dm.train_loader_x)
+    shutdown_loader(dm.train_loader_x)
+    clear_process_store()
+    monkeypatch.setattr(image_cache, "shm_free", lambda: 0)
+    monkeypatch.setattr(wp, "shm_free", lambda: 0)
+    wp.activate()
+    dm = DataManager(cfg)
+    dm.cache_training_images()
+    images = dm.train_loader_x.dataset.images.tensors().values()
+    assert images and not any(t.untyped_storage().is_shared() for t in images)
+    assert_same_batches(expected, list(dm.train_loader_x))
+    assert "do not fit /dev/shm" in dm.train_loader_x._pool_refused
+    assert_same_batches(list(dm.test_loader), list(dm.test_loader))  # no images: the pool
+    assert dm.test_loader._pool_key in wp.current_pool().registered
 
 
 class PrintingWrapper(DatasetWrapper):

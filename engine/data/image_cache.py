@@ -68,11 +68,28 @@ def place(flat: torch.Tensor, start: int, tensor: torch.Tensor) -> torch.Tensor:
     return target.permute([order.index(d) for d in range(tensor.ndim)])
 
 
+SHM_RESERVE = 512 * 2**20  # shared memory left free for the loaders' batches
+
+
+def shm_free() -> int:
+    """Bytes free in /dev/shm, where shared memory lives (a container's may be small); a
+    system without it: unlimited."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 2**62
+    return st.f_bavail * st.f_frsize
+
+
 def to_shared(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor`` (uint8) placed in the current block of shared memory (a new block
-    when it is full; an image larger than a block gets one of its own)."""
+    when it is full; an image larger than a block gets one of its own); ``tensor`` itself when
+    /dev/shm has no room for a new block (the run's loaders then fork their own workers)."""
     n = tensor.numel()
     with _SLAB_LOCK:
+        needs_block = n > SLAB_BYTES or _SLAB["flat"] is None or _SLAB["used"] + n > SLAB_BYTES
+        if needs_block and shm_free() < max(n, SLAB_BYTES) + SHM_RESERVE:
+            return tensor
         if n > SLAB_BYTES:
             flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))
             start = 0
@@ -190,7 +207,8 @@ class DecodedImageCache:
         unreadable = {p for p, _ in bad}
         from .worker_pool import is_active
 
-        shared = is_active()  # kept loader workers read the images from shared memory
+        # kept loader workers (a packed worker) read the images from shared memory
+        shared = is_active() and cfg.DATALOADER.NUM_WORKERS > 0
 
         def size(item) -> int:  # the header only: no decoding
             if item.impath in unreadable:

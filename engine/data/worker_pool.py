@@ -67,7 +67,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_batch
 from torch.utils.data.dataloader import _DatasetKind
 
 from .device_finish import FinishingLoader
-from .image_cache import is_dense, place
+from .image_cache import SHM_RESERVE, is_dense, place, shm_free
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ _PICKLING_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
 
 
 class DatasetNotPicklable(Exception):
-    """A loader's dataset cannot be sent to the pool's workers."""
+    """A loader's dataset cannot be sent to the pool's workers (it cannot be pickled, or its
+    decoded images do not fit the shared memory)."""
 
 
 _active = False  # True inside a packed worker (activate)
@@ -144,6 +145,11 @@ class SharedImages:
             spans[idx] = (*where, tuple(tensor.shape), tensor.stride())
         if private:
             total = sum(t.numel() for t in private.values())
+            if shm_free() < total + SHM_RESERVE:
+                raise DatasetNotPicklable(
+                    f"its {total / 2**20:.0f} MB of decoded images do not fit /dev/shm "
+                    f"({shm_free() / 2**20:.0f} MB free)"
+                )
             flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
             offset = 0
             for idx, tensor in private.items():
@@ -646,7 +652,7 @@ class PooledLoader(DataLoader):
         try:
             pool.register(self)
         except DatasetNotPicklable as e:
-            self._pool_refused = f"its dataset cannot be pickled ({e})"
+            self._pool_refused = f"its dataset cannot be sent to the kept workers: {e}"
             logger.info("Loader pool: %s; this loader forks its own workers", self._pool_refused)
             return super().__iter__()
         if not (self.persistent_workers and self._pool_key in pool.seeded):
