@@ -165,8 +165,14 @@ def run_packed(argv: list[str], done: int) -> int:
     objects alive); reference counting still frees frozen objects, and every
     :data:`UNFREEZE_EVERY` runs a teardown's collection sees them all again.
     """
+    from engine.data import worker_pool
+
     if done % UNFREEZE_EVERY == 0:
         gc.unfreeze()
-    rc = run_in_process(argv)
+    worker_pool.activate()  # the run's loaders use worker processes kept for the next runs
+    try:
+        rc = run_in_process(argv)
+    finally:
+        worker_pool.deactivate()
     gc.freeze()
     return rc

@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--packed-gap",
         action="store_true",
         help="measure instead the time from one run's end to the next run's first step in a "
-        "packed worker, with 0 and 4 loader workers (experiments/benchmark_packed.py)",
+        "packed worker, with 0 and 4 loader workers (4: kept across the runs by the worker "
+        "pool, and forked per run) (experiments/benchmark_packed.py)",
     )
     runs = parser.add_argument_group("whole runs (--runs)")
     runs.add_argument(

@@ -15,6 +15,12 @@ one trainer and dataset) decode each file once: decoded images stay in a process
 keyed by (path, modification time, size), the most recently used ones first, within the run's
 ``CACHE_DECODED_MB`` (:func:`process_store_info`, :func:`clear_process_store`). A file changed
 on disk is decoded again; the tensors are never modified (the pipelines copy them).
+
+In a packed worker whose loader workers are kept across runs (:mod:`.worker_pool`), the images
+are decoded into blocks of shared memory (:data:`SLAB_BYTES` each), so the kept workers, forked
+before the run, map the run's images without a copy: a run sends one handle per block. A block
+is freed when none of its images is cached any more (images dropped from the store leave their
+space in a block unused until then).
 """
 
 from __future__ import annotations
@@ -36,6 +42,70 @@ logger = logging.getLogger(__name__)
 # (path, mtime_ns, size) -> uint8 [3, H, W]: decoded images kept between the runs of a process
 _STORE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _STORE_LOCK = threading.Lock()
+
+
+SLAB_BYTES = 64 * 2**20  # a block of shared memory that decoded images are placed in
+_SLAB: dict = {"flat": None, "used": 0}
+_SLAB_LOCK = threading.Lock()
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Its elements fill ``numel`` consecutive places in some order (a contiguous tensor, or a
+    permutation of one: ``pil_to_tensor``'s ``[3, H, W]`` view of ``[H, W, 3]`` memory)."""
+    span = sum((size - 1) * step for size, step in zip(tensor.shape, tensor.stride())) + 1
+    return tensor.numel() == span and all(step > 0 for step in tensor.stride())
+
+
+def place(flat: torch.Tensor, start: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into ``flat[start:]`` with its own strides (a plain memory copy, and
+    the pipelines see the same memory layout as the original's); a non-dense one is made
+    contiguous first."""
+    if not is_dense(tensor):
+        tensor = tensor.contiguous()
+    order = sorted(range(tensor.ndim), key=lambda d: -tensor.stride(d))  # memory order
+    source = tensor.permute(order)  # contiguous
+    target = flat[start : start + tensor.numel()].view(source.shape).copy_(source)
+    return target.permute([order.index(d) for d in range(tensor.ndim)])
+
+
+SHM_RESERVE = 512 * 2**20  # shared memory left free for the loaders' batches
+
+
+def shm_free() -> int:
+    """Bytes free in /dev/shm, where shared memory lives (a container's may be small); a
+    system without it: unlimited."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 2**62
+    return st.f_bavail * st.f_frsize
+
+
+def to_shared(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (uint8) placed in the current block of shared memory (a new block
+    when it is full; an image larger than a block gets one of its own); ``tensor`` itself when
+    /dev/shm has no room for a new block (the run's loaders then fork their own workers)."""
+    n = tensor.numel()
+    with _SLAB_LOCK:
+        needs_block = n > SLAB_BYTES or _SLAB["flat"] is None or _SLAB["used"] + n > SLAB_BYTES
+        if needs_block and shm_free() < max(n, SLAB_BYTES) + SHM_RESERVE:
+            return tensor
+        if n > SLAB_BYTES:
+            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(n))
+            start = 0
+        else:
+            if _SLAB["flat"] is None or _SLAB["used"] + n > SLAB_BYTES:
+                storage = torch.UntypedStorage._new_shared(SLAB_BYTES)
+                _SLAB["flat"], _SLAB["used"] = torch.empty(0, dtype=torch.uint8).set_(storage), 0
+            flat, start = _SLAB["flat"], _SLAB["used"]
+            _SLAB["used"] += n
+    return place(flat, start, tensor)
+
+
+def _release_slab() -> None:
+    """Stop placing images in the current block (it is freed with its last image)."""
+    with _SLAB_LOCK:
+        _SLAB["flat"], _SLAB["used"] = None, 0
 
 
 def _file_key(path: str) -> tuple | None:
@@ -81,6 +151,7 @@ def process_store_info() -> tuple[int, int]:
 def clear_process_store() -> None:
     with _STORE_LOCK:
         _STORE.clear()
+    _release_slab()
 
 
 class DecodedImageCache:
@@ -94,6 +165,10 @@ class DecodedImageCache:
 
     def __len__(self) -> int:
         return len(self._images)
+
+    def tensors(self) -> dict[int, torch.Tensor]:
+        """``index -> uint8 [3, H, W]``, every cached image (do not modify them)."""
+        return self._images
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +205,10 @@ class DecodedImageCache:
         if budget <= 0 or not data_source:
             return None, bad
         unreadable = {p for p, _ in bad}
+        from .worker_pool import is_active
+
+        # kept loader workers (a packed worker) read the images from shared memory
+        shared = is_active() and cfg.DATALOADER.NUM_WORKERS > 0
 
         def size(item) -> int:  # the header only: no decoding
             if item.impath in unreadable:
@@ -146,6 +225,8 @@ class DecodedImageCache:
             try:
                 with Image.open(item.impath) as img:
                     tensor = pil_to_tensor(img.convert("RGB"))  # [3, H, W] uint8
+                if shared:
+                    tensor = to_shared(tensor)
             except Exception as e:  # reported with the others, not raised from a thread
                 return None, describe(e), False
             _store_put(key, tensor)

@@ -15,17 +15,18 @@ import weakref
 import torch
 from PIL import Image
 from tabulate import tabulate
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from engine.errors import ConfigError
 from engine.registry import DATASET_REGISTRY
 from engine.utils import epoch_seed
 
-from .device_finish import FinishingLoader, device_finish_of, loader_device
+from .device_finish import device_finish_of, loader_device
 from .distributed import sharded_batches
 from .image_check import ImageReadError, describe, find_unreadable, handle_unreadable
 from .transforms import build_transform
 from .validate import validate_data_cfg
+from .worker_pool import PooledFinishingLoader, PooledLoader, release_all
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ def shutdown_loader(loader) -> None:
     """Stop the worker processes of ``loader`` now (persistent ones included): each worker gets
     its stop message and is joined, the queues are closed without waiting on their feeder
     threads. The loader stays usable: its next iteration starts new workers."""
+    if hasattr(loader, "release_pool"):  # a packed worker's kept workers (worker_pool)
+        loader.release_pool()
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
@@ -50,10 +53,12 @@ def shutdown_loaders() -> None:
     Registered with ``atexit`` (after torch's own exit hook, so it runs first): at interpreter
     exit torch skips the orderly shutdown and leaves the workers to multiprocessing's exit
     handler, which terminates and joins them one by one; an orderly stop here is a message per
-    worker. Also called between the runs of one process (engine/runner.py).
+    worker. Also called between the runs of one process (engine/runner.py), where the
+    loaders' kept worker pool (:mod:`.worker_pool`) drops the finished run's datasets.
     """
     for loader in list(_PERSISTENT_LOADERS):
         shutdown_loader(loader)
+    release_all()  # the kept worker pool of a packed worker drops the runs' datasets
 
 
 atexit.register(shutdown_loaders)
@@ -204,7 +209,8 @@ def build_data_loader(
     shards = sharded_batches(sampler, batch_size, drop_last, is_train)  # data-parallel (#29)
     finish = device_finish_of(tfm)  # INPUT.PIPELINE tensor: uint8 batches finished on the device
     extra = {"finish": finish, "device": loader_device(cfg)} if finish is not None else {}
-    loader = (FinishingLoader if finish is not None else DataLoader)(
+    # a DataLoader, served by a packed worker's kept worker pool there (worker_pool)
+    loader = (PooledFinishingLoader if finish is not None else PooledLoader)(
         wrapper,
         batch_size=batch_size if shards is None else 1,
         sampler=sampler if shards is None else None,
@@ -323,7 +329,9 @@ class DataManager:
         if loader is None or self._train_images_checked:
             return
         from .image_cache import DecodedImageCache
+        from .worker_pool import prepare_pool
 
+        prepare_pool(loader)  # a packed worker forks its kept workers before the images exist
         wrapper = loader.dataset
         items = wrapper.data_source
         if self.cfg.DATALOADER.CACHE_DECODED and not wrapper.images:
