@@ -41,6 +41,7 @@ from engine import phases
 from engine.errors import ConfigError
 
 from . import weights
+from .skip_init import build_then_load
 from .weights import BackboneError
 
 logger = logging.getLogger(__name__)
@@ -378,7 +379,10 @@ def _read_state_dict(path: str) -> tuple[dict, bool]:
                 reason = f"the TorchScript reader refused it ({_first_line(e)}): damaged or crafted"
                 raise UnusableWeightsError(path, reason) from None
         return {k: v for k, v in jit.state_dict().items()}, True
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    # a zip-format file (torch.save's default) is mapped, not read: its tensors are the file's
+    # pages, which load_state_dict copies once into the model (and the page cache shares them
+    # between the processes that read the file)
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
@@ -519,19 +523,25 @@ def clip_from_state_dict(cfg, sd: dict, is_jit: bool, path: str, precision: str 
         model_cfg, source = _model_config(cfg)
         if is_jit or (bb.NAME in OPENAI_MODELS and not bb.CONFIG):
             model_cfg["quick_gelu"] = True
-        model = build_clip(model_cfg, precision)
-        missing, unexpected = _compare_keys(model.state_dict(), sd)
-        if missing or unexpected:
-            raise BackboneError(
-                f"The weights in {path} do not fit the architecture {source}: "
-                f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
-                f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
-                "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
-            )
-        try:
-            model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-        except RuntimeError as e:
-            raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
+
+        def load(model):
+            missing, unexpected = _compare_keys(model.state_dict(), sd)
+            if missing or unexpected:
+                raise BackboneError(
+                    f"The weights in {path} do not fit the architecture {source}: "
+                    f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
+                    f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
+                    "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
+                )
+            try:  # copy_ converts fp16 checkpoints exactly as .float() did, without a copy more
+                model.load_state_dict(sd, strict=True)
+            except RuntimeError as e:
+                raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
+
+        # the random initialisation is skipped when its generator state is recorded (skip_init)
+        model = build_then_load(
+            lambda: build_clip(model_cfg, precision), load, [model_cfg, precision]
+        )
     else:  # infer the architecture from an OpenAI-style state dict
         cast = torch.float16 if precision == "fp16" else None
         model = build_model_from_openai_state_dict(sd, quick_gelu=True, cast_dtype=cast)
