@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 # then keep ``transformers = None`` / ``timm = None`` until a model config asks for such a tower
 # (:func:`_enable_towers` imports the library then).
 _OPTIONAL_TOWER_LIBRARIES = ("transformers", "timm")
+# huggingface_hub (and its HTTP client, ~0.15 s of every start-up) is hidden the same way: open_clip
+# then keeps ``hf_hub_download = None``, which only its own Hugging Face downloads use; this
+# project fetches Hugging Face files itself (engine.clip.weights.hf_hub_file imports it there).
+_HIDDEN_AT_IMPORT = (*_OPTIONAL_TOWER_LIBRARIES, "huggingface_hub")
 
 
 # the attribute of a CLIP built by load_clip that holds its config's MODEL.TEXT_FULL_LENGTH (read
@@ -60,10 +64,11 @@ FULL_LENGTH_ATTR = "text_full_length"
 
 
 def _import_open_clip():
-    """``import open_clip`` without importing transformers or timm (unless already imported)."""
+    """``import open_clip`` without importing transformers, timm or huggingface_hub (unless
+    already imported)."""
     if "open_clip" in sys.modules:
         return sys.modules["open_clip"]
-    hidden = [m for m in _OPTIONAL_TOWER_LIBRARIES if m not in sys.modules]
+    hidden = [m for m in _HIDDEN_AT_IMPORT if m not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # ``import name`` raises ImportError: open_clip's fallbacks
     try:
