@@ -72,7 +72,7 @@ def run_argv(folder: str, cfg_path: str, ckpt: str, out: str, image_size: int) -
     argv += ["MODEL.BACKBONE.PATH", ckpt, "INPUT.SIZE", f"({image_size}, {image_size})"]
     argv += ["TRAINER.COOP.PREC", "fp32", "USE_CUDA", "False", "DATASET.NUM_SHOTS", "1"]
     argv += ["DATALOADER.TRAIN_X.BATCH_SIZE", "4", "DATALOADER.NUM_WORKERS", "0"]
-    return argv + ["OPTIM.MAX_EPOCH", "1", "TEST.NO_TEST", "True", "MODEL.COMPILE", "none"]
+    return argv + ["OPTIM.MAX_EPOCH", "1", "TEST.NO_TEST", "True", "MODEL.COMPILE", "off"]
 
 
 def import_groups(env: dict) -> dict:

@@ -104,3 +104,27 @@ def test_checkpoints_are_mapped_and_legacy_files_still_load(tiny_clip, tmp_path)
     assert old.keys() == sd.keys() and all(torch.equal(old[k], sd[k]) for k in sd)
     a, b = load_clip(_cfg(tiny_clip)), load_clip(_cfg(tiny_clip, legacy))
     assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+@pytest.mark.slow
+def test_the_startup_benchmark_measures_fresh_processes_with_and_without_the_record():
+    """tools/benchmark.py --startup on the tiny CLIP: fresh train.py processes whose start-up
+    phases come from their cost.json; the first records its CLIP build, the second finds it."""
+    from engine.clip.toy import TINY_CLIP_CONFIG
+    from experiments.benchmark_startup import print_startup_costs, startup_costs
+
+    result = startup_costs(repeats=2, model_cfg=TINY_CLIP_CONFIG, image_size=32)
+    assert [r["clip_build"] for r in result["runs"]] == ["full", "recorded"]
+    for run in result["runs"]:
+        assert sum(run["phases"].values()) == pytest.approx(run["time_to_first_step_s"], abs=0.01)
+        assert run["phases"]["imports"] > 0 and run["phases"]["clip weights"] > 0
+        assert run["time_to_first_step_s"] < run["wall_s"] < run["outside_s"]
+    for groups in result["imports"]:
+        assert groups["torch"] > 0 and groups["engine"] > 0
+        assert groups["total"] == pytest.approx(
+            sum(v for k, v in groups.items() if k != "total"), abs=0.01
+        )
+    assert result["cost_json"]["startup"]["phases"] == pytest.approx(
+        result["runs"][-1]["phases"], abs=1e-3
+    )
+    print_startup_costs(result)
