@@ -41,7 +41,6 @@ from engine import phases
 from engine.errors import ConfigError
 
 from . import weights
-from .skip_init import build_then_load
 from .weights import BackboneError
 
 logger = logging.getLogger(__name__)
@@ -544,6 +543,8 @@ def clip_from_state_dict(cfg, sd: dict, is_jit: bool, path: str, precision: str 
                 raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
 
         # the random initialisation is skipped when its generator state is recorded (skip_init)
+        from .skip_init import build_then_load
+
         model = build_then_load(
             lambda: build_clip(model_cfg, precision), load, [model_cfg, precision]
         )
