@@ -110,7 +110,7 @@ def startup_costs(repeats: int = 3, model_cfg: dict | None = None, image_size: i
     try:
         cfg_path, ckpt, size = write_inputs(folder, model_cfg)
         env = dict(os.environ, PYTHONPATH=ROOT, SAMPLE_PL_CACHE=osp.join(folder, "cache"))
-        result = {"checkpoint_mb": round(size / 2**20, 1), "cpus": os.cpu_count()}
+        result = {"checkpoint_mb": round(size / 1e6, 1), "cpus": os.cpu_count()}
         result["load_average_before"] = [round(x, 2) for x in os.getloadavg()]
         runs, imports = [], []
         for k in range(repeats):
