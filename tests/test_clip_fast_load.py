@@ -12,7 +12,9 @@ import open_clip
 import pytest
 import torch
 from helpers import make_cfg
+from open_clip.model import convert_weights_to_lp
 
+from engine.clip import model as clip_model
 from engine.clip import skip_init
 from engine.clip.model import build_clip, load_clip, read_state_dict
 
@@ -61,10 +63,15 @@ def test_a_recorded_build_gives_the_same_model_generator_and_logits(
     second, after2, logits2 = _loaded(cfg, precision)
     assert skip_init.builds["recorded"] == before["recorded"] + 1  # no random fills this time
     assert torch.equal(after1, ref_after) and torch.equal(after2, ref_after)
-    a, b = _tensors(first), _tensors(second)
-    assert a.keys() == b.keys() == _tensors(ref).keys()
+    ref.load_state_dict(read_state_dict(tiny_clip[1])[0])  # the weights copied in, as before
+    if precision == "fp16":
+        convert_weights_to_lp(ref, dtype=torch.float16)
+    a, b, r = _tensors(first), _tensors(second), _tensors(ref)
+    assert a.keys() == b.keys() == r.keys()
     for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        assert a[k].dtype == b[k].dtype == r[k].dtype, k
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], r[k]), k
+        assert a[k].is_contiguous() == r[k].is_contiguous(), k
     assert torch.equal(logits1, logits2)
     # what is drawn after the build (a prompt learner's vectors) is drawn from the same state
     torch.set_rng_state(after2)
@@ -104,6 +111,29 @@ def test_checkpoints_are_mapped_and_legacy_files_still_load(tiny_clip, tmp_path)
     assert old.keys() == sd.keys() and all(torch.equal(old[k], sd[k]) for k in sd)
     a, b = load_clip(_cfg(tiny_clip)), load_clip(_cfg(tiny_clip, legacy))
     assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    # a single run's fp32 model holds the mapped pages themselves (no copy) ...
+    assert _in_mapping(a.visual.conv1.weight, tiny_clip[1])
+    assert not _in_mapping(b.visual.conv1.weight, tiny_clip[1])
+    # ... and a process that keeps the weights for later runs copies them
+    clip_model.cache_weights(True)
+    try:
+        kept = load_clip(_cfg(tiny_clip))
+    finally:
+        clip_model.cache_weights(False)
+    assert not _in_mapping(kept.visual.conv1.weight, tiny_clip[1])
+    assert torch.equal(kept.visual.conv1.weight, a.visual.conv1.weight)
+
+
+def _in_mapping(tensor, path) -> bool:
+    """Whether ``tensor``'s data lies in a memory mapping of the file ``path``."""
+    ptr = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(os.path.realpath(path)):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
 
 
 @pytest.mark.slow

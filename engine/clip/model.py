@@ -537,8 +537,14 @@ def clip_from_state_dict(cfg, sd: dict, is_jit: bool, path: str, precision: str 
                     f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
                     "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
                 )
+            # a single run's model takes the mapped tensors themselves when they fit (dtype,
+            # contiguous): no copy; a process that keeps the weights for later runs copies them
+            own = model.state_dict()
+            assign = not _cache_enabled and all(
+                v.dtype == own[k].dtype and v.is_contiguous() for k, v in sd.items()
+            )
             try:  # copy_ converts fp16 checkpoints exactly as .float() did, without a copy more
-                model.load_state_dict(sd, strict=True)
+                model.load_state_dict(sd, strict=True, assign=assign)
             except RuntimeError as e:
                 raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
 
