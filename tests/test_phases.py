@@ -19,7 +19,7 @@ from engine import phases
 
 # what a run does not need before its first step (each imported where it is used)
 HEAVY = ("torch.utils.tensorboard", "tensorboard", "matplotlib", "scipy", "submitit", "pandas")
-HEAVY += ("tools.report", "tools.make_tables", "tools.plotting")
+HEAVY += ("tools.report", "tools.make_tables", "tools.plotting", "huggingface_hub")
 
 
 def test_clock_phases_are_contiguous(monkeypatch):

@@ -24,6 +24,7 @@ Usage::
     python tools/benchmark.py --efficient --small --json e.json  # LookSAM, ESAM, SAF, ... vs SGD
     python tools/benchmark.py --loader --json loader.json     # INPUT.PIPELINE pil vs tensor
     python tools/benchmark.py --packed-gap                     # a packed worker's gap between runs
+    python tools/benchmark.py --startup --json docs/benchmarks/cpu_startup_vitb16.json  # start-up
 
 The public names of both modules are importable from here as before.
 """
@@ -303,6 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
         "packed worker, with 0 and 4 loader workers (4: kept across the runs by the worker "
         "pool, and forked per run) (experiments/benchmark_packed.py)",
     )
+    parser.add_argument(
+        "--startup",
+        action="store_true",
+        help="measure instead a fresh train.py process's start-up phases on a ViT-B/16-shaped "
+        "CLIP read from a local file, --run-repeats + 1 processes, and what its imports are "
+        "made of; with --json also writes the last run's cost.json beside it as <name>_cost.json "
+        "(experiments/benchmark_startup.py)",
+    )
     runs = parser.add_argument_group("whole runs (--runs)")
     runs.add_argument(
         "--runs",
@@ -337,6 +346,16 @@ def main(argv=None) -> int:
         print_packed_gaps(result)
         if args.json:
             write_json(args.json, result)
+        return 0
+    if args.startup:  # fresh processes, as a grid starts them
+        from experiments.benchmark_startup import print_startup_costs, startup_costs
+
+        result = startup_costs(repeats=args.run_repeats + 1)
+        print_startup_costs(result)
+        if args.json:
+            write_json(args.json, result)
+            stem = args.json[: -len(".json")] if args.json.endswith(".json") else args.json
+            write_json(stem + "_cost.json", result["cost_json"])
         return 0
     if args.runs:  # torch's default threads and no log handler of its own, as train.py runs
         result = run_costs(args)

@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 # then keep ``transformers = None`` / ``timm = None`` until a model config asks for such a tower
 # (:func:`_enable_towers` imports the library then).
 _OPTIONAL_TOWER_LIBRARIES = ("transformers", "timm")
+# huggingface_hub (and its HTTP client, ~0.15 s of every start-up) is hidden the same way: open_clip
+# then keeps ``hf_hub_download = None``, which only its own Hugging Face downloads use; this
+# project fetches Hugging Face files itself (engine.clip.weights.hf_hub_file imports it there).
+_HIDDEN_AT_IMPORT = (*_OPTIONAL_TOWER_LIBRARIES, "huggingface_hub")
 
 
 # the attribute of a CLIP built by load_clip that holds its config's MODEL.TEXT_FULL_LENGTH (read
@@ -59,10 +63,11 @@ FULL_LENGTH_ATTR = "text_full_length"
 
 
 def _import_open_clip():
-    """``import open_clip`` without importing transformers or timm (unless already imported)."""
+    """``import open_clip`` without importing transformers, timm or huggingface_hub (unless
+    already imported)."""
     if "open_clip" in sys.modules:
         return sys.modules["open_clip"]
-    hidden = [m for m in _OPTIONAL_TOWER_LIBRARIES if m not in sys.modules]
+    hidden = [m for m in _HIDDEN_AT_IMPORT if m not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # ``import name`` raises ImportError: open_clip's fallbacks
     try:
@@ -378,7 +383,10 @@ def _read_state_dict(path: str) -> tuple[dict, bool]:
                 reason = f"the TorchScript reader refused it ({_first_line(e)}): damaged or crafted"
                 raise UnusableWeightsError(path, reason) from None
         return {k: v for k, v in jit.state_dict().items()}, True
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    # a zip-format file (torch.save's default) is mapped, not read: its tensors are the file's
+    # pages, which load_state_dict copies once into the model (and the page cache shares them
+    # between the processes that read the file)
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
@@ -546,19 +554,33 @@ def clip_from_state_dict(cfg, sd: dict, is_jit: bool, path: str, precision: str 
         model_cfg, source = _model_config(cfg)
         if is_jit or (bb.NAME in OPENAI_MODELS and not bb.CONFIG):
             model_cfg["quick_gelu"] = True
-        model = build_clip(model_cfg, precision)
-        missing, unexpected = _compare_keys(model.state_dict(), sd)
-        if missing or unexpected:
-            raise BackboneError(
-                f"The weights in {path} do not fit the architecture {source}: "
-                f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
-                f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
-                "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
+
+        def load(model):
+            missing, unexpected = _compare_keys(model.state_dict(), sd)
+            if missing or unexpected:
+                raise BackboneError(
+                    f"The weights in {path} do not fit the architecture {source}: "
+                    f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
+                    f"unexpected keys (e.g. {unexpected[:3]}). Set MODEL.BACKBONE.NAME or "
+                    "MODEL.BACKBONE.CONFIG to the checkpoint's architecture."
+                )
+            # a single run's model takes the mapped tensors themselves when they fit (dtype,
+            # contiguous): no copy; a process that keeps the weights for later runs copies them
+            own = model.state_dict()
+            assign = not _cache_enabled and all(
+                v.dtype == own[k].dtype and v.is_contiguous() for k, v in sd.items()
             )
-        try:
-            model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-        except RuntimeError as e:
-            raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
+            try:  # copy_ converts fp16 checkpoints exactly as .float() did, without a copy more
+                model.load_state_dict(sd, strict=True, assign=assign)
+            except RuntimeError as e:
+                raise BackboneError(f"The weights in {path} do not fit {source}: {e}") from e
+
+        # the random initialisation is skipped when its generator state is recorded (skip_init)
+        from .skip_init import build_then_load
+
+        model = build_then_load(
+            lambda: build_clip(model_cfg, precision), load, [model_cfg, precision]
+        )
     else:  # infer the architecture from an OpenAI-style state dict
         cast = torch.float16 if precision == "fp16" else None
         model = build_model_from_openai_state_dict(sd, quick_gelu=True, cast_dtype=cast)
