@@ -98,7 +98,8 @@ def device_finish_of(tfm) -> DeviceFinish | None:
         return None
     first = finishes[0]
     for f in finishes[1:]:
-        if f is None or (f.mean, f.std, f.normalize) != (first.mean, first.std, first.normalize):
+        same = (f.mean, f.std, f.normalize) == (first.mean, first.std, first.normalize)
+        if type(f) is not type(first) or not same:  # None included
             raise ValueError("The transforms of one loader need different device finishes")
     return first
 

@@ -209,6 +209,8 @@ def build_data_loader(
     shards = sharded_batches(sampler, batch_size, drop_last, is_train)  # data-parallel (#29)
     finish = device_finish_of(tfm)  # INPUT.PIPELINE tensor: uint8 batches finished on the device
     extra = {"finish": finish, "device": loader_device(cfg)} if finish is not None else {}
+    if getattr(finish, "collate", None) is not None:  # INPUT.PIPELINE tensor_device's crops
+        extra["collate_fn"] = finish.collate
     # a DataLoader, served by a packed worker's kept worker pool there (worker_pool)
     loader = (PooledFinishingLoader if finish is not None else PooledLoader)(
         wrapper,

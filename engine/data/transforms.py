@@ -24,6 +24,10 @@ in the same order, so the same seed gives the same crops and flips):
   few percent of the pixels (bicubic; bilinear by at most one level): docs/performance.md has
   the measured difference and its effect on accuracy. Test pipelines are the same in both
   (PIL's resize and crop); with ``tensor`` they also send uint8.
+- ``tensor_device`` (opt-in): ``tensor`` with the random resized crop's resize and the flip on
+  the device, batched (:mod:`engine.data.device_crop`): the worker draws the same crop boxes and
+  flips and sends the uint8 crop regions. Only the training transforms random_resized_crop,
+  random_flip and normalize qualify.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torchvision.transforms.v2 as T
 from PIL import Image
 from torchvision.transforms.v2 import InterpolationMode
 
+from .device_crop import DeviceCropFinish, FlipFlag, RandomCropBox, check_device_crop_choices
 from .device_finish import DeviceFinish, ToFloat
 from .randaugment import RandAugment as DasslRandAugment
 
@@ -43,7 +48,7 @@ INTERPOLATION_MODES = {
 }
 
 # INPUT.PIPELINE values (see the module's docstring)
-PIPELINES = ("pil", "tensor")
+PIPELINES = ("pil", "tensor", "tensor_device")
 
 # float-stage transforms that a worker must run itself (random, or per image); without them the
 # tensor pipeline's worker sends uint8 and the device normalises
@@ -165,7 +170,8 @@ def pipeline_of(cfg) -> str:
     if pipeline not in PIPELINES:
         raise ValueError(
             f"INPUT.PIPELINE must be one of {', '.join(PIPELINES)}, got {pipeline!r} (pil: "
-            "Dassl's PIL operations, exact; tensor: uint8 tensors normalised on the device)"
+            "Dassl's PIL operations, exact; tensor: uint8 tensors normalised on the device; "
+            "tensor_device: tensor with the random resized crop's resize on the device)"
         )
     return pipeline
 
@@ -179,8 +185,10 @@ def build_transform(cfg, is_train: bool = True, choices=None, on_device: bool = 
         choices: transform names (default ``cfg.INPUT.TRANSFORMS``).
         on_device: with ``INPUT.PIPELINE tensor``, let the transform end at uint8 when the rest
             is the normalisation (a :class:`UInt8Pipeline`, whose loader finishes the batches on
-            the device: what the DataManager builds). False (the default, Dassl's contract):
-            float images, normalised in the transform.
+            the device: what the DataManager builds); with ``tensor_device`` the training
+            transform ends at the uint8 crop region (:mod:`engine.data.device_crop`). Without
+            it ``tensor_device`` builds ``tensor``'s transforms (the same crops). False (the
+            default, Dassl's contract): float images, normalised in the transform.
     """
     if cfg.INPUT.NO_TRANSFORM:
         return T.Compose([T.ToImage(), T.ToDtype(torch.float32, scale=True)])
@@ -197,11 +205,29 @@ def build_transform(cfg, is_train: bool = True, choices=None, on_device: bool = 
         tfm = _build_transform_train(cfg, choices, pipeline)
     else:
         tfm = _build_transform_test(cfg)
+    if pipeline == "tensor_device" and is_train and on_device:
+        check_device_crop_choices(choices)
+        return _device_crop_transform(cfg, choices)
     worker_ops = _WORKER_FLOAT_OPS if is_train else ("instance_norm",)
-    if pipeline == "tensor" and on_device and not set(worker_ops) & set(choices):
+    if pipeline in ("tensor", "tensor_device") and on_device and not set(worker_ops) & set(choices):
         finish = DeviceFinish(cfg.INPUT.PIXEL_MEAN, cfg.INPUT.PIXEL_STD, "normalize" in choices)
         return UInt8Pipeline(tfm, finish)
     return T.Compose(tfm + _float_stage(cfg, choices, normalize, is_train))
+
+
+def _device_crop_transform(cfg, choices) -> UInt8Pipeline:
+    """``tensor_device``'s training transform: the crop box and the flip drawn as ``tensor``'s
+    RandomResizedCrop and RandomHorizontalFlip draw them; the device resizes and flips."""
+    inp = cfg.INPUT
+    interp = INTERPOLATION_MODES[inp.INTERPOLATION]
+    size = list(inp.SIZE)
+    tfm = [
+        T.ToImage(),
+        RandomCropBox(size, scale=tuple(inp.RRCROP_SCALE), interpolation=interp, antialias=True),
+        FlipFlag(0.5 if "random_flip" in choices else None),
+    ]
+    finish = DeviceCropFinish(inp.PIXEL_MEAN, inp.PIXEL_STD, "normalize" in choices, size, interp)
+    return UInt8Pipeline(tfm, finish)
 
 
 def _float_stage(cfg, choices, normalize, is_train: bool) -> list:

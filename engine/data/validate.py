@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 SAMPLERS = ("RandomSampler", "SequentialSampler")
 SUBSAMPLES = ("all", "base", "new")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
-PIPELINES = ("pil", "tensor")  # INPUT.PIPELINE (engine/data/transforms.py)
+PIPELINES = ("pil", "tensor", "tensor_device")  # INPUT.PIPELINE (engine/data/transforms.py)
 
 
 def is_template(text: str) -> bool:
@@ -84,8 +84,15 @@ def _problems(cfg) -> list[str]:
         "INPUT.PIPELINE",
         pipeline,
         f"one of {PIPELINES} (pil: Dassl's PIL operations, exact; tensor: uint8 tensors "
-        "normalised on the device)",
+        "normalised on the device; tensor_device: tensor with the random resized crop's resize "
+        "on the device)",
     )
+    if pipeline == "tensor_device" and not inp.NO_TRANSFORM:
+        from .device_crop import device_crop_problem
+
+        problem = device_crop_problem(inp.TRANSFORMS)
+        if problem:
+            out.append(problem)
     need(len(inp.PIXEL_MEAN) == 3, "INPUT.PIXEL_MEAN", inp.PIXEL_MEAN, "3 values (R, G, B)")
     need(
         len(inp.PIXEL_STD) == 3 and all(v > 0 for v in inp.PIXEL_STD),

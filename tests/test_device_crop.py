@@ -1,0 +1,123 @@
+"""INPUT.PIPELINE tensor_device: the worker draws tensor's crop boxes and flips and sends the crop
+region; the device's resize and flip give tensor's batches (bit for bit on a CPU device); other
+training transforms are refused; train.py trains with it."""
+
+from __future__ import annotations
+
+import os.path as osp
+
+import pytest
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
+from conftest import make_cfg
+from test_loader_pipeline import COOP, epoch_batches, input_cfg, jpegs, loader_opts  # noqa: F401
+
+from engine.data import DataManager, build_transform, read_image
+from engine.data.device_crop import CropBatch, DeviceCrop, DeviceCropFinish, collate_crops
+from engine.data.device_finish import FinishingLoader, device_finish_of
+from engine.errors import ConfigError
+
+CPU = torch.device("cpu")
+
+
+def draws(tfm, img, seed: int):
+    torch.manual_seed(seed)
+    out = tfm(img)
+    return out, torch.rand(3)  # the generator's state after the transform: same draws, same state
+
+
+@pytest.mark.parametrize("transforms", [COOP, ["random_resized_crop", "normalize"]])
+def test_same_crop_boxes_flips_and_pixels_as_tensor(jpegs, transforms):  # noqa: F811
+    """Seed for seed: the crop region is tensor's RandomResizedCrop box, the flip flag its
+    RandomHorizontalFlip draw (the generator ends in the same state), and the device's resize
+    and flip of the batch give tensor's uint8 images to the last bit (CPU: the same kernel on the
+    same uint8 crop; tolerance 0)."""
+    tensor = build_transform(input_cfg("tensor", transforms=transforms), True, on_device=True)
+    device = build_transform(
+        input_cfg("tensor_device", transforms=transforms), True, on_device=True
+    )
+    finish = device_finish_of(device)
+    assert isinstance(finish, DeviceCropFinish)
+    rrc = next(t for t in tensor.transforms if isinstance(t, T.RandomResizedCrop))
+    flips, crops, want = [], [], []
+    for path in jpegs:
+        img = read_image(path)
+        for seed in range(12):
+            ref, state_ref = draws(tensor, img, seed)
+            crop, state = draws(device, img, seed)
+            assert isinstance(crop, DeviceCrop) and crop.img.dtype == torch.uint8
+            assert torch.equal(state, state_ref)
+            torch.manual_seed(seed)
+            box = rrc.make_params([T.ToImage()(img)])
+            assert torch.equal(crop.img, TF.crop(T.ToImage()(img), **box).as_subclass(torch.Tensor))
+            flips.append(crop.flip)
+            crops.append({"img": crop, "label": seed})
+            want.append(ref)
+    batch = collate_crops(crops)
+    assert isinstance(batch["img"], CropBatch) and batch["label"].tolist() == list(range(12)) * 3
+    got = finish.resize(batch["img"], CPU)
+    assert torch.equal(got, torch.stack(want))
+    assert any(flips) == ("random_flip" in transforms) and not all(flips)
+    # the float, normalised batch: tensor's device finish of those images
+    assert torch.equal(finish(batch, CPU)["img"], device_finish_of(tensor)(got, CPU))
+
+
+def test_loader_yields_the_tensor_pipelines_batches(dtd_root):
+    """The DataManager's training loader (main process and one worker process) yields the tensor
+    pipeline's float batches; the test loader is tensor's."""
+    tensor = DataManager(make_cfg(loader_opts(dtd_root, "tensor")))
+    device = DataManager(make_cfg(loader_opts(dtd_root, "tensor_device")))
+    assert isinstance(device.train_loader_x, FinishingLoader)
+    assert isinstance(device.train_loader_x.dataset[(0, 5)]["img"], DeviceCrop)
+    want = epoch_batches(tensor.train_loader_x)
+    for a, b in zip(epoch_batches(device.train_loader_x), want, strict=True):
+        assert a["img"].dtype == torch.float32 and torch.equal(a["img"], b["img"])
+        assert torch.equal(a["label"], b["label"])
+    a, b = next(iter(device.test_loader)), next(iter(tensor.test_loader))
+    assert torch.equal(a["img"], b["img"])
+    worker = DataManager(
+        make_cfg(loader_opts(dtd_root, "tensor_device", "DATALOADER.NUM_WORKERS", "1"))
+    )
+    first = epoch_batches(worker.train_loader_x)[0]
+    tensor_worker = DataManager(
+        make_cfg(loader_opts(dtd_root, "tensor", "DATALOADER.NUM_WORKERS", "1"))
+    )
+    assert torch.equal(first["img"], epoch_batches(tensor_worker.train_loader_x)[0]["img"])
+
+
+def test_other_transforms_are_refused():
+    """A training transform list other than random_resized_crop (+ random_flip, normalize) gets
+    one error naming the option, the transforms and the fix; tensor's own behaviour is kept."""
+    from engine.data.validate import validate_data_cfg
+
+    for transforms in ([*COOP, "colorjitter"], ["random_crop", "random_flip", "normalize"]):
+        cfg = input_cfg("tensor_device", transforms=transforms)
+        with pytest.raises(ValueError, match="use INPUT.PIPELINE tensor for these transforms"):
+            build_transform(cfg, True, on_device=True)
+        with pytest.raises(ConfigError, match="INPUT.PIPELINE tensor_device resizes"):
+            validate_data_cfg(cfg)
+    validate_data_cfg(input_cfg("tensor_device"))  # the default transforms qualify
+    # without on_device (Dassl's float contract) and for the test transform: tensor's
+    cfg = input_cfg("tensor_device")
+    img = torch.randint(0, 256, (3, 40, 50), dtype=torch.uint8)
+    torch.manual_seed(0)
+    a = build_transform(cfg, True)(img)
+    torch.manual_seed(0)
+    assert torch.equal(a, build_transform(input_cfg("tensor"), True)(img))
+    test = build_transform(cfg, False, on_device=True)
+    assert type(device_finish_of(test)).__name__ == "DeviceFinish"
+
+
+def test_train_py_trains_with_device_crops(dtd_root, tiny_clip_opts, tmp_path):
+    """One short CoOp run through train.py's entry point, in this process."""
+    from train import run
+
+    out = tmp_path / "run"
+    argv = ["--output-dir", str(out), "--trainer", "CoOp"]
+    argv += ["--dataset-config-file", "configs/datasets/dtd.yaml"]
+    argv += [*loader_opts(dtd_root, "tensor_device"), *tiny_clip_opts, "INPUT.SIZE", "(32, 32)"]
+    argv += ["DATASET.NUM_SHOTS", "2", "TRAINER.COOP.PREC", "fp32", "OPTIM.MAX_EPOCH", "1"]
+    assert run(argv) == 0
+    log = open(osp.join(out, "log.txt")).read()
+    assert "tensor_device" in log and "accuracy" in log
