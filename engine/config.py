@@ -53,6 +53,8 @@ _C.INPUT.TRANSFORMS = ()
 # "tensor": torchvision's uint8 tensor kernels in the loader workers, which send uint8 images
 # that the device converts and normalises (resizes within a few grey levels of PIL's); "pil":
 # Dassl's PIL operations and normalisation in the workers, bit for bit (the "released" mode's)
+# "tensor_device" (opt-in): tensor with the random resized crop's resize and the flip on the
+# device (engine/data/device_crop.py; INPUT.TRANSFORMS random_resized_crop/random_flip/normalize)
 _C.INPUT.PIPELINE = "tensor"
 _C.INPUT.NO_TRANSFORM = False  # if True, images are only resized/converted (no augmentation)
 _C.INPUT.PIXEL_MEAN = [0.485, 0.456, 0.406]  # per-channel mean for "normalize"

@@ -8,6 +8,12 @@ normalise a whole batch; :mod:`engine.data.device_finish`) is timed apart, on ``
 The end-to-end row runs a real ``DataLoader`` with one worker process and finishes its batches
 on the device: what the training loop receives. The JPEGs are 500x375 (an ImageNet-sized photo),
 the transforms CoOp's (random resized crop, bicubic, to 224x224; flip; normalise).
+
+``tensor_device`` (opt-in, :mod:`engine.data.device_crop`) moves the crop's resize and the flip
+to the device: its rows are the worker's share, the device's share (resize, flip, float,
+normalise per image), the end-to-end loader, and its pixel difference from ``tensor`` and ``pil``
+(on the device measured; plus a resize of the crop in float, as torchvision resizes uint8 on a
+GPU, against the CPU's uint8 kernel).
 """
 
 from __future__ import annotations
@@ -63,29 +69,52 @@ def loader_epoch(loader, epoch: list[int], device: str):
     return run
 
 
-def pixel_difference(paths: list[str], interpolation: str, crops: int = 32) -> dict:
-    """Grey-level difference of the tensor pipeline's crops from the pil pipeline's (same
-    seeds, ``crops`` per image): the maximum, the mean, and the fractions of values off by > 0
-    and > 1 level."""
+def pixel_difference(
+    paths: list[str],
+    interpolation: str,
+    crops: int = 32,
+    candidate: str = "tensor",
+    reference: str = "pil",
+    float_resize: bool = False,
+) -> dict:
+    """Grey-level difference of the ``candidate`` pipeline's crops from the ``reference``'s
+    (same seeds, ``crops`` per image): the maximum, the mean, and the fractions of values off by
+    > 0 and > 1 level. ``tensor_device``'s crops are resized on the CPU, or with
+    ``float_resize`` in float and rounded (how torchvision resizes uint8 on a GPU)."""
     from engine.config import get_cfg_default
     from engine.data import build_transform, read_image
+    from engine.data.device_crop import collate_crops
 
     cfg = get_cfg_default()
     cfg.INPUT.INTERPOLATION = interpolation
     cfg.INPUT.TRANSFORMS = ["random_resized_crop", "random_flip"]
-    cfg.INPUT.PIPELINE = "pil"
-    pil = build_transform(cfg, True)
-    cfg.INPUT.PIPELINE = "tensor"
-    tensor = build_transform(cfg, True, on_device=True)
+    tfms = {}
+    for name in (candidate, reference):
+        cfg.INPUT.PIPELINE = name
+        tfms[name] = build_transform(cfg, True, on_device=name != "pil")
+
+    def uint8(name: str, img) -> torch.Tensor:
+        out = tfms[name](img)
+        if name == "pil":
+            return out.mul(255).round().to(torch.int16)
+        if name == "tensor_device":
+            finish = tfms[name].device_finish
+            batch = collate_crops([out])
+            if float_resize:
+                batch.imgs = [x.float() for x in batch.imgs]
+            out = finish.resize(batch, torch.device("cpu"))[0]
+            out = out.round().clamp(0, 255) if float_resize else out
+        return out.to(torch.int16)
+
     values = total = off = off1 = 0
     worst = 0.0
     for path in paths:
         img = read_image(path)
         for seed in range(crops):
             torch.manual_seed(seed)
-            ref = pil(img).mul(255).round().to(torch.int16)
+            ref = uint8(reference, img)
             torch.manual_seed(seed)
-            d = (tensor(img).to(torch.int16) - ref).abs()
+            d = (uint8(candidate, img) - ref).abs()
             values += d.numel()
             total += int(d.sum())
             off += int((d > 0).sum())
@@ -162,26 +191,37 @@ def loader_report(args) -> dict:
     dm = DataManager(cfg, custom_tfm_train=build_transform(cfg, True))
     dm.cache_training_images()
     fns["tensor normalised in the worker, decoded cache"] = worker_epoch(dm.train_loader_x, epoch)
+    # the crop's resize and the flip on the device (opt-in INPUT.PIPELINE tensor_device)
+    cfg = _cfg(root, out, "tensor_device", True, 0, device, *shots)
+    dm = DataManager(cfg)
+    dm.cache_training_images()
+    fns["tensor_device, decoded cache"] = worker_epoch(dm.train_loader_x, epoch)
+    finishes["tensor_device"] = (dm.train_loader_x, device_finish_of(dm.tfm_train))
     times = timer.measure(fns)
     n = result["images_per_epoch"]
     for name, t in times.items():
         result["rows"][name] = {"images_per_s_per_worker": round(n / t.seconds, 1)}
-    # the device's share of the tensor pipeline: finishing the collated uint8 batches
-    loader, finish = finishes["tensor"]
-    batches = [loader.collate_fn([loader.dataset[k] for k in list(loader.sampler)[:32]])] * 4
+    # the device's share: finishing the collated batches (tensor: float and normalise;
+    # tensor_device: also resize each crop and flip)
     dev = torch.device(device)
+    for pipeline in ("tensor", "tensor_device"):
+        loader, finish = finishes[pipeline]
+        loader.sampler.set_epoch(1)
+        keys = list(loader.sampler)[:32]
+        batches = [loader.collate_fn([loader.dataset[k] for k in keys])] * 4
 
-    def device_part():
-        for b in batches:
-            finish(b, dev)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        def device_part(batches=batches, finish=finish):
+            for b in batches:
+                finish(b, dev)
+            if device == "cuda":
+                torch.cuda.synchronize()
 
-    t = timer.measure({"finish": device_part})["finish"]
-    result["tensor_device_finish_images_per_s"] = round(4 * 32 / t.seconds, 1)
+        t = timer.measure({"finish": device_part})["finish"]
+        key = "tensor" if pipeline == "tensor" else "tensor_device"
+        result[f"{key}_device_finish_images_per_s"] = round(4 * 32 / t.seconds, 1)
     # end to end: one worker process, the batches as the training loop receives them
     e2e = {}
-    for pipeline in PIPELINES:
+    for pipeline in (*PIPELINES, "tensor_device"):
         dm = DataManager(_cfg(root, out, pipeline, True, 1, device, *shots))
         dm.cache_training_images()
         e2e[pipeline] = loader_epoch(dm.train_loader_x, epoch, device)
@@ -198,6 +238,11 @@ def loader_report(args) -> dict:
         )
         for kind in ("decoded cache", "decoding every epoch")
     }
+    baseline = rows["tensor normalised in the worker, decoded cache"]["images_per_s_per_worker"]
+    result["per_worker_over_float32_in_worker"] = {
+        name: round(rows[f"{name}, decoded cache"]["images_per_s_per_worker"] / baseline, 2)
+        for name in ("tensor", "tensor_device")
+    }
     paths = {"photo-like JPEGs": [d.impath for d in dm.dataset.train_x][: 2 if args.small else 8]}
     paths["heavy pixel noise"] = noisy_jpegs(osp.join(tmp, "noisy"), 2 if args.small else 4)
     result["pixel_difference"] = [
@@ -205,6 +250,14 @@ def loader_report(args) -> dict:
         for kind, files in paths.items()
         for interpolation in ("bicubic", "bilinear")
     ]
+    photos = paths["photo-like JPEGs"]
+    result["tensor_device_pixel_difference"] = [
+        {"images": "photo-like JPEGs", "against": against, **pixel_difference(
+            photos, "bicubic", candidate="tensor_device", reference=against,
+            float_resize=float_resize)}
+        for against, float_resize in (("tensor", False), ("pil", False), ("tensor", True))
+    ]  # fmt: skip
+    result["tensor_device_pixel_difference"][2]["against"] = "tensor (device resize in float)"
     result["target_per_worker_2x"] = result["tensor_over_pil_per_worker"]["decoded cache"] >= 2
     return result
 
@@ -217,9 +270,22 @@ def print_loader_report(result: dict) -> None:
         "  tensor pipeline, device finish         "
         f"{result['tensor_device_finish_images_per_s']:8.1f} images/s"
     )
+    print(
+        "  tensor_device pipeline, device finish  "
+        f"{result['tensor_device_device_finish_images_per_s']:8.1f} images/s"
+    )
     for k, v in result["one_worker_process_images_per_s"].items():
         print(f"  {k}, 1 worker process, end to end    {v:8.1f} images/s")
     print(f"  tensor / pil per worker: {result['tensor_over_pil_per_worker']} (target >= 2x)")
+    print(
+        "  per worker over float32 sent (the pipeline when #30 was filed): "
+        f"{result['per_worker_over_float32_in_worker']} (target >= 2x)"
+    )
+    for d in result["tensor_device_pixel_difference"]:
+        print(
+            f"  tensor_device vs {d['against']}, bicubic: max {d['max_levels']:.0f} levels, "
+            f"mean {d['mean_levels']}, {100 * d['fraction_off']:.2f}% of values off"
+        )
     for d in result["pixel_difference"]:
         print(
             f"  tensor vs pil, {d['images']}, {d['interpolation']}: max {d['max_levels']:.0f} "
