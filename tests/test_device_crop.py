@@ -127,3 +127,18 @@ def test_train_py_trains_with_device_crops(dtd_root, tiny_clip_opts, tmp_path):
     assert run(argv) == 0
     log = open(osp.join(out, "log.txt")).read()
     assert "tensor_device" in log and "accuracy" in log
+
+
+def test_benchmark_pixel_difference_rows(jpegs):  # noqa: F811
+    """tools/benchmark.py --loader's tensor_device rows: none off from tensor on the CPU, pil's
+    difference from tensor, and the float resize (a GPU's) within a few levels."""
+    from experiments.benchmark_loader import pixel_difference
+
+    same = pixel_difference(jpegs[:1], "bicubic", 2, candidate="tensor_device", reference="tensor")
+    assert same["max_levels"] == 0 and same["values"] == 2 * 3 * 224 * 224
+    pil = pixel_difference(jpegs[:1], "bicubic", 2, candidate="tensor_device")
+    assert pil == pixel_difference(jpegs[:1], "bicubic", 2)  # tensor's difference from pil
+    gpu = pixel_difference(
+        jpegs[:1], "bicubic", 2, candidate="tensor_device", reference="tensor", float_resize=True
+    )
+    assert 0 < gpu["max_levels"] <= 4 and gpu["mean_levels"] < 0.5
