@@ -101,7 +101,7 @@ def pixel_difference(
             finish = tfms[name].device_finish
             batch = collate_crops([out])
             if float_resize:
-                batch.imgs = [x.float() for x in batch.imgs]
+                batch.flat = batch.flat.float()
             out = finish.resize(batch, torch.device("cpu"))[0]
             out = out.round().clamp(0, 255) if float_resize else out
         return out.to(torch.int16)

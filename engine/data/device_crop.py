@@ -5,11 +5,12 @@ The ``tensor`` pipeline's worker spends most of its time resizing each random re
 and the flip, with the same random numbers in the same order as ``tensor`` (so a seed gives the
 same crops and flips), and sends the uint8 crop region with its flip flag
 (:class:`DeviceCrop`). The loader collates a batch of these variable-size crops into a
-:class:`CropBatch` (a list, no padding) and finishes it on the device
-(:class:`DeviceCropFinish`): each crop resized to ``INPUT.SIZE`` with torchvision's resize
-(the interpolation of ``INPUT.INTERPOLATION``, antialiased, uint8 in and out: the ``tensor``
-pipeline's call on the same crop), the batch stacked, the flagged images flipped, then the
-float conversion and normalisation of :class:`~engine.data.device_finish.DeviceFinish`.
+:class:`CropBatch` (packed end to end in one flat tensor with their shapes, no padding) and
+finishes it on the device (:class:`DeviceCropFinish`): one copy of the batch, each crop resized
+to ``INPUT.SIZE`` with torchvision's resize (the interpolation of ``INPUT.INTERPOLATION``,
+antialiased, uint8 in and out: the ``tensor`` pipeline's call on the same crop), the batch
+stacked, the flagged images flipped, then the float conversion and normalisation of
+:class:`~engine.data.device_finish.DeviceFinish`.
 
 On a CPU device the batches are the ``tensor`` pipeline's bit for bit (the same kernel on the
 same uint8 crop); on a GPU torchvision's uint8 resize computes in float and rounds, which can
@@ -20,10 +21,12 @@ transforms ``random_resized_crop`` (required), ``random_flip`` and ``normalize``
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as TF
-from torch.utils.data import default_collate
+from torch.utils.data import default_collate, get_worker_info
 
 from .device_finish import DeviceFinish
 
@@ -64,24 +67,42 @@ class DeviceCrop:
 
 
 class CropBatch:
-    """A collated batch of :class:`DeviceCrop`: the crops (a list: their sizes differ) and a
-    bool tensor ``[B]`` of the flips."""
+    """A collated batch of :class:`DeviceCrop`: the crops packed into one flat uint8 tensor (in
+    shared memory when collated in a loader worker, as ``default_collate`` does: one transfer
+    per batch) with their shapes, and a bool tensor ``[B]`` of the flips."""
 
-    def __init__(self, imgs: list[torch.Tensor], flip: torch.Tensor):
-        self.imgs, self.flip = imgs, flip
+    def __init__(self, flat: torch.Tensor, shapes: list[tuple[int, ...]], flip: torch.Tensor):
+        self.flat, self.shapes, self.flip = flat, shapes, flip
+
+    @classmethod
+    def of(cls, crops: list[DeviceCrop]) -> CropBatch:
+        imgs = [c.img for c in crops]
+        numel = sum(x.numel() for x in imgs)
+        out = None
+        if get_worker_info() is not None:  # a worker: straight into shared memory
+            storage = imgs[0]._typed_storage()._new_shared(numel, device=imgs[0].device)
+            out = imgs[0].new(storage).resize_(numel)
+        flat = torch.cat([x.reshape(-1) for x in imgs], out=out)
+        flip = torch.tensor([c.flip for c in crops], dtype=torch.bool)
+        return cls(flat, [tuple(x.shape) for x in imgs], flip)
 
     def __len__(self) -> int:
-        return len(self.imgs)
+        return len(self.shapes)
+
+    def images(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The crops, as views of ``flat`` (default: this batch's)."""
+        flat = self.flat if flat is None else flat
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return [x.view(shape) for x, shape in zip(flat.split(sizes), self.shapes)]
 
     def pin_memory(self) -> CropBatch:  # DataLoader's pin_memory thread calls this
-        return CropBatch([x.pin_memory() for x in self.imgs], self.flip.pin_memory())
+        return CropBatch(self.flat.pin_memory(), self.shapes, self.flip.pin_memory())
 
 
 def _collate(values: list):
     first = values[0]
     if isinstance(first, DeviceCrop):
-        flip = torch.tensor([v.flip for v in values], dtype=torch.bool)
-        return CropBatch([v.img for v in values], flip)
+        return CropBatch.of(values)
     if isinstance(first, dict):
         return {k: _collate([v[k] for v in values]) for k in first}
     if isinstance(first, list) and first and isinstance(first[0], (DeviceCrop, dict, list)):
@@ -132,16 +153,11 @@ class DeviceCropFinish(DeviceFinish):
 
     def resize(self, crops: CropBatch, device: torch.device) -> torch.Tensor:
         """The crops resized to ``size`` and flipped where flagged: uint8 ``[B, C, H, W]``."""
+        flat = crops.flat.to(device, non_blocking=True)  # one copy per batch
+        resize = TF.resize
+        size, interp = self.size, self.interpolation
         out = torch.stack(
-            [
-                TF.resize(
-                    x.to(device, non_blocking=True),
-                    self.size,
-                    interpolation=self.interpolation,
-                    antialias=True,
-                )
-                for x in crops.imgs
-            ]
+            [resize(x, size, interpolation=interp, antialias=True) for x in crops.images(flat)]
         )
         flip = crops.flip.to(out.device, non_blocking=True).view(-1, 1, 1, 1)
         return torch.where(flip, out.flip(-1), out)
