@@ -78,13 +78,15 @@ class CropBatch:
     def of(cls, crops: list[DeviceCrop]) -> CropBatch:
         imgs = [c.img for c in crops]
         numel = sum(x.numel() for x in imgs)
-        out = None
         if get_worker_info() is not None:  # a worker: straight into shared memory
             storage = imgs[0]._typed_storage()._new_shared(numel, device=imgs[0].device)
-            out = imgs[0].new(storage).resize_(numel)
-        flat = torch.cat([x.reshape(-1) for x in imgs], out=out)
-        flip = torch.tensor([c.flip for c in crops], dtype=torch.bool)
-        return cls(flat, [tuple(x.shape) for x in imgs], flip)
+            flat = imgs[0].new(storage).resize_(numel)
+        else:
+            flat = imgs[0].new_empty(numel)
+        batch = cls(flat, [tuple(x.shape) for x in imgs], torch.tensor([c.flip for c in crops]))
+        for view, x in zip(batch.images(), imgs):
+            view.copy_(x)  # the crop region, copied once (the cached image is not touched)
+        return batch
 
     def __len__(self) -> int:
         return len(self.shapes)
