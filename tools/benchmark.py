@@ -12,7 +12,7 @@ The command line of two modules cut along their jobs:
 - :mod:`tools.benchmark_efficient` (``--efficient``): the step of the cheaper sharpness-aware
   optimizers (LookSAM, SAMPLe-k, ESAM, RWP, m-RWP, SAF, MESA) relative to SGD;
 - :mod:`experiments.benchmark_loader` (``--loader``): images/s per loader worker of the input
-  pipelines (``INPUT.PIPELINE`` pil and tensor) and their pixel difference.
+  pipelines (``INPUT.PIPELINE`` pil, tensor, tensor_device) and their pixel difference.
 
 Usage::
 
@@ -293,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loader",
         action="store_true",
-        help="measure instead the training loader's input pipelines (INPUT.PIPELINE pil and "
-        "tensor) on 500x375 JPEGs: images/s per worker, the device's share, one worker process "
-        "end to end, and the pixel difference (experiments/benchmark_loader.py)",
+        help="measure instead the training loader's input pipelines (INPUT.PIPELINE pil, "
+        "tensor, tensor_device) on 500x375 JPEGs: images/s per worker, the device's share, one "
+        "worker process end to end, and the pixel difference (experiments/benchmark_loader.py)",
     )
     parser.add_argument(
         "--packed-gap",
