@@ -143,3 +143,24 @@ def test_benchmark_pixel_difference_rows(jpegs):  # noqa: F811
         jpegs[:1], "bicubic", 2, candidate="tensor_device", reference="tensor", float_resize=True
     )
     assert 0 < gpu["max_levels"] <= 4 and gpu["mean_levels"] < 0.5
+
+
+def test_kept_worker_pool_serves_device_crops(dtd_root):
+    """In a packed worker the kept loader workers (engine/data/worker_pool.py) collate the crops
+    with the loader's collate function: the tensor pipeline's batches."""
+    import engine.data.worker_pool as wp
+
+    wp.shutdown_pool()
+    try:
+        want = epoch_batches(DataManager(make_cfg(loader_opts(dtd_root, "tensor"))).train_loader_x)
+        wp.activate()
+        opts = loader_opts(dtd_root, "tensor_device", "DATALOADER.NUM_WORKERS", "1")
+        loader = DataManager(make_cfg(opts)).train_loader_x
+        got = epoch_batches(loader)
+        assert wp.current_pool() is not None and loader._pool_refused is None
+        assert loader._pool_key in wp.current_pool().registered
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a["img"], b["img"]) and torch.equal(a["label"], b["label"])
+    finally:
+        wp.deactivate()
+        wp.shutdown_pool()
