@@ -14,7 +14,7 @@ import datasets.small_world as sw
 from engine import build_trainer
 from trainers.skiptuning import feature_batches
 
-TRAINERS = ("ProGrad", "DePT_CoOp", "MMRL", "SkipTuning")
+TRAINERS = ("ProGrad", "DePT_CoOp", "DePT_MaPLe", "MMRL", "SkipTuning")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,9 @@ def test_small_world_config_builds_and_evaluates(world_root, tmp_path, trainer):
     assert learnable and all(p.dtype.is_floating_point for p in learnable)
     if trainer == "MMRL":  # the upper two of the small CLIP's three blocks
         assert tr.model.rep_layers == [2, 3]
+    if trainer == "DePT_MaPLe":  # prompts in blocks 0-1, the last block unprompted
+        learner = tr.model.prompt_learner
+        assert learner.depth == 2 and len(learner.compound_prompts_text) == 1
     if trainer == "SkipTuning":  # block 0 frozen, blocks 1-2 tuned in the image tower
         blocks = tr.model.image.visual.transformer.resblocks
         tuned = [any(p.requires_grad for p in b.parameters()) for b in blocks]
