@@ -258,7 +258,10 @@ def loader_report(args) -> dict:
         for against, float_resize in (("tensor", False), ("pil", False), ("tensor", True))
     ]  # fmt: skip
     result["tensor_device_pixel_difference"][2]["against"] = "tensor (device resize in float)"
-    result["target_per_worker_2x"] = result["tensor_over_pil_per_worker"]["decoded cache"] >= 2
+    # #30's target: >= 2x the loader of the day the issue was filed (float32 normalised in the
+    # workers), by the best pipeline the project offers for a GPU run
+    result["target_baseline"] = "tensor normalised in the worker, decoded cache"
+    result["target_per_worker_2x"] = max(result["per_worker_over_float32_in_worker"].values()) >= 2
     return result
 
 
@@ -276,7 +279,7 @@ def print_loader_report(result: dict) -> None:
     )
     for k, v in result["one_worker_process_images_per_s"].items():
         print(f"  {k}, 1 worker process, end to end    {v:8.1f} images/s")
-    print(f"  tensor / pil per worker: {result['tensor_over_pil_per_worker']} (target >= 2x)")
+    print(f"  tensor / pil per worker: {result['tensor_over_pil_per_worker']}")
     print(
         "  per worker over float32 sent (the pipeline when #30 was filed): "
         f"{result['per_worker_over_float32_in_worker']} (target >= 2x)"
