@@ -21,17 +21,4 @@
 # Folders: OUTPUT/base2new/{train_base,test_new}/DATASET/shots_SHOTS/TRAINER/CFG[+OPTIM]/seedN
 #   with REPRO=released: CFG+OPTIM-released (sgd: CFG+sgd-released)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-split_args "$@"
-if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:* \
-      && "${REST[0]}" != *.yaml) ]]; then
-  echo "Usage: bash scripts/base2new.sh [grid.py options] DATASET [KEY VALUE ...]" >&2
-  echo "  DATASET: a name in configs/datasets/ (e.g. dtd), 'all', or folder:NAME (DATA/NAME)" >&2
-  exit 2
-fi
-DATASET="${REST[0]}"
-OPTS=("${REST[@]:1}")
-if [[ "$DATASET" == all ]]; then
-  run_grid --protocols base2new
-else
-  run_grid --protocols base2new --datasets "$DATASET"
-fi
+run_per_dataset base2new "$@"

@@ -62,3 +62,25 @@ run_grid() {
   echo "+ ${tables[*]}"
   exec "${tables[@]}"
 }
+
+# run_per_dataset PROTOCOL "$@": the per-dataset scripts' command line (leading grid options,
+# DATASET - a name, 'all' or folder:NAME - then KEY VALUE options) run as one grid of PROTOCOL
+run_per_dataset() {
+  local protocol="$1" script
+  script="scripts/$(basename "${BASH_SOURCE[1]}")"
+  shift
+  split_args "$@"
+  if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:* \
+        && "${REST[0]}" != *.yaml) ]]; then
+    echo "Usage: bash $script [grid.py options] DATASET [KEY VALUE ...]" >&2
+    echo "  DATASET: a name in configs/datasets/ (e.g. dtd), 'all', or folder:NAME (DATA/NAME)" >&2
+    exit 2
+  fi
+  local dataset="${REST[0]}"
+  OPTS=("${REST[@]:1}")
+  if [[ "$dataset" == all ]]; then
+    run_grid --protocols "$protocol"
+  else
+    run_grid --protocols "$protocol" --datasets "$dataset"
+  fi
+}

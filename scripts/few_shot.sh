@@ -18,17 +18,4 @@
 #   REPRO=released: CFG+OPTIM-released)
 SHOTS="${SHOTS:-1 2 4 8 16}"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-split_args "$@"
-if [[ ${#REST[@]} -eq 0 || ("${REST[0]}" == *.* && "${REST[0]}" != folder:* \
-      && "${REST[0]}" != *.yaml) ]]; then
-  echo "Usage: bash scripts/few_shot.sh [grid.py options] DATASET [KEY VALUE ...]" >&2
-  echo "  DATASET: a name in configs/datasets/ (e.g. dtd), 'all', or folder:NAME (DATA/NAME)" >&2
-  exit 2
-fi
-DATASET="${REST[0]}"
-OPTS=("${REST[@]:1}")
-if [[ "$DATASET" == all ]]; then
-  run_grid --protocols few_shot
-else
-  run_grid --protocols few_shot --datasets "$DATASET"
-fi
+run_per_dataset few_shot "$@"
