@@ -4,6 +4,7 @@ training transforms are refused; train.py trains with it."""
 
 from __future__ import annotations
 
+import math
 import os.path as osp
 
 import pytest
@@ -14,7 +15,13 @@ from conftest import make_cfg
 from test_loader_pipeline import COOP, epoch_batches, input_cfg, jpegs, loader_opts  # noqa: F401
 
 from engine.data import DataManager, build_transform, read_image
-from engine.data.device_crop import CropBatch, DeviceCrop, DeviceCropFinish, collate_crops
+from engine.data.device_crop import (
+    CropBatch,
+    DeviceCrop,
+    DeviceCropFinish,
+    collate_crops,
+    memory_order,
+)
 from engine.data.device_finish import FinishingLoader, device_finish_of
 from engine.errors import ConfigError
 
@@ -62,7 +69,7 @@ def test_same_crop_boxes_flips_and_pixels_as_tensor(jpegs, transforms):  # noqa:
     # is a grey level on some values (the CPU's fixed-point filter weights round differently):
     # the bound the benchmark measures at 224x224 (max 3 levels, mean 0.19)
     crops = batch["img"]
-    as_float = CropBatch(crops.flat.float(), crops.shapes, crops.flip)
+    as_float = CropBatch(crops.flat.float(), crops.shapes, crops.flip, orders=crops.orders)
     levels = (finish.resize(as_float, CPU).round().clamp(0, 255) - got).abs()
     assert levels.max() <= 4 and levels.mean() < 0.5
     assert any(flips) == ("random_flip" in transforms) and not all(flips)
@@ -164,3 +171,73 @@ def test_kept_worker_pool_serves_device_crops(dtd_root):
     finally:
         wp.deactivate()
         wp.shutdown_pool()
+
+
+def cached_loader(root: str, pipeline: str, *extra):
+    dm = DataManager(make_cfg(loader_opts(root, pipeline, *extra)))
+    dm.cache_training_images()  # what the trainer does when training starts
+    assert dm.train_loader_x.dataset.images
+    return dm.train_loader_x
+
+
+def test_crops_of_cached_images_go_as_references(dtd_root):
+    """With the decoded-image cache a worker sends no pixels for a crop (the cache's token, the
+    image's index and the box); the main process cuts the crops from its own cache, and the
+    batches stay tensor's bit for bit: in this process, through a worker process, and through a
+    packed worker's kept pool (whose workers read the cache from shared memory)."""
+    import engine.data.worker_pool as wp
+    from engine.data.image_cache import cache_of
+
+    want = epoch_batches(cached_loader(dtd_root, "tensor"))
+    loader = cached_loader(dtd_root, "tensor_device")
+    cache = loader.dataset.images
+    item = loader.dataset[(3, 7)]
+    crop = item["img"]
+    assert crop.img is None and crop.source[:2] == (cache.token, 3) and cache_of(cache.token)
+    top, left = crop.source[2:]
+    region = cache.get(3)[:, top : top + crop.shape[1], left : left + crop.shape[2]]
+    torch.manual_seed(7)  # the box is the random resized crop's draw under the item's seed
+    rrc = T.RandomResizedCrop(24, scale=(0.08, 1.0))
+    box = rrc.make_params([cache.get(3)])
+    assert (top, left, *crop.shape[1:]) == (box["top"], box["left"], box["height"], box["width"])
+    assert torch.equal(CropBatch.of([crop]).images()[0], region)
+    batch = loader.collate_fn([loader.dataset[(i, i)] for i in range(4)])["img"]
+    assert batch.flat.numel() == 0 and all(src is not None for src in batch.sources)
+    gathered = batch.gathered()  # what the pin-memory step does for a GPU, in pinned memory
+    assert all(src is None for src in gathered.sources)
+    for a, b in zip(gathered.images(), batch.images(), strict=True):
+        assert torch.equal(a, b) and memory_order(a) == memory_order(b) == (1, 2, 0)
+    for a, b in zip(epoch_batches(loader), want, strict=True):
+        assert torch.equal(a["img"], b["img"]) and torch.equal(a["label"], b["label"])
+    worker = cached_loader(dtd_root, "tensor_device", "DATALOADER.NUM_WORKERS", "1")
+    for a, b in zip(epoch_batches(worker), want, strict=True):
+        assert torch.equal(a["img"], b["img"])
+    wp.shutdown_pool()
+    try:
+        wp.activate()
+        pooled = cached_loader(dtd_root, "tensor_device", "DATALOADER.NUM_WORKERS", "1")
+        for a, b in zip(epoch_batches(pooled), want, strict=True):
+            assert torch.equal(a["img"], b["img"])
+        assert pooled._pool_refused is None
+    finally:
+        wp.deactivate()
+        wp.shutdown_pool()
+
+
+def test_uncached_images_and_foreign_references(dtd_root):
+    """Images beyond the cache's budget go as pixels in the same batch as references; a
+    reference that reaches a process without its cache is an error naming the cause."""
+    loader = cached_loader(dtd_root, "tensor_device")
+    cache = loader.dataset.images
+    first = min(cache.tensors())
+    loader.dataset.images = cache.subset([first])  # only image `first` is cached now
+    items = [loader.dataset[(i, i)] for i in (first, first + 1)]
+    assert items[0]["img"].source is not None and items[1]["img"].source is None
+    batch = collate_crops(items)["img"]
+    assert batch.flat.numel() == math.prod(items[1]["img"].shape)
+    assert [src is None for src in batch.sources] == [False, True]
+    assert torch.equal(batch.images()[1], items[1]["img"].img)
+    token, idx, top, left = batch.sources[0]
+    foreign = CropBatch(batch.flat, batch.shapes, batch.flip, [("0" * 32, idx, top, left), None])
+    with pytest.raises(RuntimeError, match="does not hold"):
+        foreign.images()

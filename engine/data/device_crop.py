@@ -17,6 +17,16 @@ same uint8 crop); on a GPU torchvision's uint8 resize computes in float and roun
 differ from the CPU kernel by a grey level (not measured here: no GPU). Only the training
 transforms ``random_resized_crop`` (required), ``random_flip`` and ``normalize`` qualify
 (:func:`check_device_crop_choices`); the test transforms are the ``tensor`` pipeline's.
+
+A crop of an image in the decoded-image cache (``DATALOADER.CACHE_DECODED``, the default) is
+not copied by the worker at all: it sends a reference (the cache's token, the image's index and
+the box; :func:`refer_cached`), and the main process, which built the cache and holds the same
+images, cuts the crop from it (:meth:`CropBatch.images`). On a CPU device the resize reads the
+crop in place; for a GPU the crops are gathered into one buffer, which ``DataLoader``'s
+pin-memory step does in pinned memory (:meth:`CropBatch.pin_memory`), then copied once. A
+worker's batch is then a few hundred bytes instead of every crop's pixels in fresh shared
+memory, whose pages the worker would fault in and fill, batch after batch. Images beyond the
+cache's budget are decoded by the worker and their crops sent as pixels, as before.
 """
 
 from __future__ import annotations
@@ -58,47 +68,158 @@ def check_device_crop_choices(choices) -> None:
 
 
 class DeviceCrop:
-    """A worker's output: the uint8 crop region ``[C, h, w]`` and whether to flip it."""
+    """A worker's output: the uint8 crop region ``[C, h, w]`` and whether to flip it; or, for a
+    crop of a cached image, no pixels but ``source`` ``(token, index, top, left)`` of the crop
+    in the decoded-image cache of ``token`` and its ``shape`` (:func:`refer_cached`)."""
 
-    __slots__ = ("img", "flip")
+    __slots__ = ("img", "flip", "source", "shape")
 
-    def __init__(self, img: torch.Tensor, flip: bool):
-        self.img, self.flip = img, flip
+    def __init__(self, img: torch.Tensor | None, flip: bool, source=None, shape=None):
+        self.img, self.flip, self.source = img, flip, source
+        self.shape = tuple(img.shape) if shape is None else tuple(shape)
+
+
+def _referred(crop: DeviceCrop, img0: torch.Tensor, token: str, idx: int) -> DeviceCrop:
+    """``crop`` as a reference into the cached image ``img0`` when its region is a view of it
+    (the random resized crop's slice), else ``crop`` itself."""
+    img = crop.img
+    if (
+        img is None
+        or img.untyped_storage().data_ptr() != img0.untyped_storage().data_ptr()
+        or img.ndim != 3
+        or img0.ndim != 3
+        or img.stride() != img0.stride()
+        or img.shape[0] != img0.shape[0]
+    ):
+        return crop
+    top, rest = divmod(img.storage_offset() - img0.storage_offset(), img0.stride(1))
+    left = rest // img0.stride(2)
+    h, w = img.shape[1:]
+    inside = 0 <= top <= img0.shape[1] - h and 0 <= left <= img0.shape[2] - w
+    region = img0[:, top : top + h, left : left + w] if inside else None
+    if region is None or region.storage_offset() != img.storage_offset():
+        return crop
+    return DeviceCrop(None, crop.flip, (token, idx, top, left), img.shape)
+
+
+def refer_cached(output: dict, img0: torch.Tensor, images, idx: int) -> None:
+    """Replace the :class:`DeviceCrop` values of a dataset item (``output``; lists of views
+    included) that are regions of ``img0``, the cached image ``idx`` of ``images`` (a
+    :class:`~engine.data.image_cache.DecodedImageCache` or a worker's copy of it), by
+    references that the main process resolves in its own cache (no pixels sent)."""
+    token = getattr(images, "token", None)
+    if token is None:
+        return
+    for key, value in output.items():
+        if isinstance(value, DeviceCrop):
+            output[key] = _referred(value, img0, token, idx)
+        elif isinstance(value, list) and value and isinstance(value[0], DeviceCrop):
+            output[key] = [_referred(v, img0, token, idx) for v in value]
+
+
+def _resolve(source) -> torch.Tensor:
+    """The crop that a reference ``(token, index, top, left)`` + shape names: a view of the
+    cached image (no copy)."""
+    from .image_cache import cache_of
+
+    (token, idx, top, left), (_, h, w) = source
+    cache = cache_of(token)
+    img = cache.get(idx) if cache is not None else None
+    if img is None:
+        raise RuntimeError(
+            f"A loader worker sent a crop of image {idx} of a decoded-image cache that this "
+            "process does not hold (INPUT.PIPELINE tensor_device): the batches of a loader "
+            "must be finished in the process that built its cache"
+        )
+    return img[:, top : top + h, left : left + w]
+
+
+def memory_order(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``x`` from the largest stride to the smallest: the order its elements
+    lie in memory (``(1, 2, 0)`` for a decoded image's ``[3, H, W]`` view of ``[H, W, 3]``)."""
+    return tuple(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
 
 
 class CropBatch:
-    """A collated batch of :class:`DeviceCrop`: the crops packed into one flat uint8 tensor (in
-    shared memory when collated in a loader worker, as ``default_collate`` does: one transfer
-    per batch) with their shapes, and a bool tensor ``[B]`` of the flips."""
+    """A collated batch of :class:`DeviceCrop`: the crops sent as pixels packed into one flat
+    uint8 tensor (in shared memory when collated in a loader worker, as ``default_collate``
+    does: one transfer per batch), the references to cached images (``sources``: None for a
+    crop in ``flat``), every crop's shape, and a bool tensor ``[B]`` of the flips.
 
-    def __init__(self, flat: torch.Tensor, shapes: list[tuple[int, ...]], flip: torch.Tensor):
+    A crop in ``flat`` keeps its source's memory order (``orders``; a decoded image is
+    ``[H, W, 3]`` in memory): copying it is a copy of whole rows, not a transposition, and the
+    resize reads it in the layout that the ``tensor`` pipeline's resize reads."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        shapes: list[tuple[int, ...]],
+        flip: torch.Tensor,
+        sources: list | None = None,
+        orders: list | None = None,
+    ):
         self.flat, self.shapes, self.flip = flat, shapes, flip
+        self.sources = sources if sources is not None else [None] * len(shapes)
+        self.orders = orders if orders is not None else [None] * len(shapes)  # None: as shaped
 
     @classmethod
     def of(cls, crops: list[DeviceCrop]) -> CropBatch:
-        imgs = [c.img for c in crops]
+        imgs = [c.img for c in crops if c.source is None]
         numel = sum(x.numel() for x in imgs)
-        if get_worker_info() is not None:  # a worker: straight into shared memory
+        if numel and get_worker_info() is not None:  # a worker: straight into shared memory
             storage = imgs[0]._typed_storage()._new_shared(numel, device=imgs[0].device)
             flat = imgs[0].new(storage).resize_(numel)
         else:
-            flat = imgs[0].new_empty(numel)
-        batch = cls(flat, [tuple(x.shape) for x in imgs], torch.tensor([c.flip for c in crops]))
-        for view, x in zip(batch.images(), imgs):
+            flat = torch.empty(numel, dtype=torch.uint8)
+        batch = cls(
+            flat,
+            [c.shape for c in crops],
+            torch.tensor([c.flip for c in crops]),
+            [c.source for c in crops],
+            [memory_order(c.img) if c.source is None else None for c in crops],
+        )
+        for view, x in zip(batch._flat_views(flat), imgs):
             view.copy_(x)  # the crop region, copied once (the cached image is not touched)
         return batch
 
     def __len__(self) -> int:
         return len(self.shapes)
 
-    def images(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The crops, as views of ``flat`` (default: this batch's)."""
-        flat = self.flat if flat is None else flat
-        sizes = [math.prod(shape) for shape in self.shapes]
-        return [x.view(shape) for x, shape in zip(flat.split(sizes), self.shapes)]
+    def _flat_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        kept = [(s, o) for s, o, src in zip(self.shapes, self.orders, self.sources) if src is None]
+        parts = flat.split([math.prod(shape) for shape, _ in kept])
+        views = []
+        for part, (shape, order) in zip(parts, kept):
+            if order is None:
+                views.append(part.view(shape))
+            else:  # laid out in ``order``, seen as ``shape``
+                back = [order.index(d) for d in range(len(order))]
+                views.append(part.view([shape[d] for d in order]).permute(back))
+        return views
 
-    def pin_memory(self) -> CropBatch:  # DataLoader's pin_memory thread calls this
-        return CropBatch(self.flat.pin_memory(), self.shapes, self.flip.pin_memory())
+    def images(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The crops: views of ``flat`` (default: this batch's) and of the cached images."""
+        views = iter(self._flat_views(self.flat if flat is None else flat))
+        return [
+            next(views) if src is None else _resolve((src, shape))
+            for src, shape in zip(self.sources, self.shapes)
+        ]
+
+    def gathered(self, pin: bool = False) -> CropBatch:
+        """This batch with every crop's pixels in one flat tensor (pinned memory if ``pin``):
+        the referenced crops cut from the cache, the others copied from ``flat``."""
+        if not pin and all(src is None for src in self.sources):
+            return self
+        images = self.images()
+        flat = torch.empty(sum(x.numel() for x in images), dtype=torch.uint8, pin_memory=pin)
+        flip = self.flip.pin_memory() if pin else self.flip
+        batch = CropBatch(flat, self.shapes, flip, orders=[memory_order(x) for x in images])
+        for view, x in zip(batch.images(), images):
+            view.copy_(x)
+        return batch
+
+    def pin_memory(self) -> CropBatch:  # DataLoader's pin_memory step calls this
+        return self.gathered(pin=True)
 
 
 def _collate(values: list):
@@ -155,12 +276,14 @@ class DeviceCropFinish(DeviceFinish):
 
     def resize(self, crops: CropBatch, device: torch.device) -> torch.Tensor:
         """The crops resized to ``size`` and flipped where flagged: uint8 ``[B, C, H, W]``."""
-        flat = crops.flat.to(device, non_blocking=True)  # one copy per batch
+        if device.type == "cpu":
+            images = crops.images()  # in place: cached crops are read where they are
+        else:
+            crops = crops.gathered()  # already, when the loader pinned the batch
+            images = crops.images(crops.flat.to(device, non_blocking=True))  # one copy
         resize = TF.resize
         size, interp = self.size, self.interpolation
-        out = torch.stack(
-            [resize(x, size, interpolation=interp, antialias=True) for x in crops.images(flat)]
-        )
+        out = torch.stack([resize(x, size, interpolation=interp, antialias=True) for x in images])
         flip = crops.flip.to(out.device, non_blocking=True).view(-1, 1, 1, 1)
         return torch.where(flip, out.flip(-1), out)
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -154,11 +156,28 @@ def clear_process_store() -> None:
     _release_slab()
 
 
+# token -> the cache in this process: INPUT.PIPELINE tensor_device's workers send crops of cached
+# images as references (engine/data/device_crop.py), which the main process cuts from its cache
+_CACHES: weakref.WeakValueDictionary[str, DecodedImageCache] = weakref.WeakValueDictionary()
+
+
+def cache_of(token: str) -> DecodedImageCache | None:
+    """The :class:`DecodedImageCache` of ``token`` built in this process (None: none alive)."""
+    return _CACHES.get(token)
+
+
 class DecodedImageCache:
-    """``index -> uint8 tensor`` for the first images of a data source that fit the budget."""
+    """``index -> uint8 tensor`` for the first images of a data source that fit the budget.
+
+    ``token`` names the cache across processes: a loader worker's copy (forked, or handed over
+    as :class:`~engine.data.worker_pool.SharedImages`) carries the token of the cache that the
+    main process built and keeps (:func:`cache_of`).
+    """
 
     def __init__(self, images: dict[int, torch.Tensor]):
         self._images = images
+        self.token = uuid.uuid4().hex
+        _CACHES[self.token] = self
 
     def get(self, idx: int) -> torch.Tensor | None:
         return self._images.get(idx)

@@ -21,6 +21,7 @@ from engine.errors import ConfigError
 from engine.registry import DATASET_REGISTRY
 from engine.utils import epoch_seed
 
+from .device_crop import refer_cached
 from .device_finish import device_finish_of, loader_device
 from .distributed import sharded_batches
 from .image_check import ImageReadError, describe, find_unreadable, handle_unreadable
@@ -167,6 +168,9 @@ class DatasetWrapper(Dataset):
                 # every GPU generator per sample
                 torch.random.default_generator.manual_seed(seed)
                 self._fill(output, img0)
+        if self.images is not None and isinstance(img0, torch.Tensor):
+            # INPUT.PIPELINE tensor_device: the crops of a cached image go as references
+            refer_cached(output, img0, self.images, idx)
         if self.return_img0:
             output["img0"] = self.to_tensor(img0)
         return output

@@ -125,10 +125,17 @@ class SharedImages:
     new block for the run.
     """
 
-    def __init__(self, blocks: list[torch.Tensor], spans: dict[int, tuple], copied: int = 0):
+    def __init__(
+        self,
+        blocks: list[torch.Tensor],
+        spans: dict[int, tuple],
+        copied: int = 0,
+        token: str | None = None,
+    ):
         self.blocks = blocks  # flat uint8 tensors over whole storages
         self.spans = spans  # index -> (block, offset, shape, strides)
         self.copied = copied  # bytes copied for the run (images not yet in shared memory)
+        self.token = token  # the main process's cache (image_cache.cache_of)
 
     @classmethod
     def pack(cls, cache) -> SharedImages:
@@ -157,7 +164,7 @@ class SharedImages:
                 spans[idx] = (len(blocks), offset, tuple(placed.shape), placed.stride())
                 offset += tensor.numel()
             blocks.append(flat)
-        return cls(blocks, spans, total)
+        return cls(blocks, spans, total, getattr(cache, "token", None))
 
     def get(self, idx: int) -> torch.Tensor | None:
         span = self.spans.get(idx)
