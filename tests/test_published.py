@@ -94,8 +94,6 @@ def test_domain_generalisation_rows_round_to_the_second_source():
 
 def test_every_published_file_names_its_source():
     for path in glob.glob(osp.join(PUBLISHED_DIR, "*.csv")):
-        if osp.basename(path) == "dept.csv":
-            continue  # documented in experiments/paper_results.py and docs/trainers.md
         head = [line for line in open(path) if line.startswith("#")]
         assert head and any("arXiv" in line for line in head), path
 
