@@ -68,8 +68,11 @@ def run_in_process(argv: list[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         close_run_logging()
-        gc.collect()  # the run's trainer, model and loaders (reference cycles included)
+        # the loaders' workers first, each with its stop message: a loader that the collection
+        # below finalises (in a reference cycle, its queues finalised in any order) can miss its
+        # workers' stop and wait 5 s for each one (DataLoader's join timeout)
         shutdown_loaders()
+        gc.collect()  # the run's trainer, model and loaders (reference cycles included)
         release_cuda_graphs()  # recorded for the run's parameters; the compiled code stays
 
 

@@ -48,9 +48,10 @@ DATASET_CLASSES = {
 }
 
 
-def run_argv(root: str, out: str, device: str, seed: int, epochs: int, workers: int):
+def run_argv(root: str, out: str, device: str, seed: int, epochs: int, workers: int, opts=()):
     """train.py arguments of one CoOp base-class run on the generated dataset under ``root``
-    (CPU: the tiny CLIP written there; CUDA: a random-weight ViT-B/16 in fp16)."""
+    (CPU: the tiny CLIP written there; CUDA: a random-weight ViT-B/16 in fp16), with the
+    config options ``opts`` last."""
     argv = ["--root", root, "--seed", str(seed), "--trainer", "CoOp", "--output-dir", out]
     argv += ["--dataset-config-file", osp.join(ROOT, "configs/datasets/dtd.yaml")]
     argv += ["--config-file", osp.join(ROOT, "configs/trainers/CoOp/vit_b16_ctxv1.yaml")]
@@ -62,7 +63,7 @@ def run_argv(root: str, out: str, device: str, seed: int, epochs: int, workers: 
         argv += ["MODEL.BACKBONE.NAME", "ViT-B/16", "MODEL.BACKBONE.PRETRAINED", "False"]
     argv += ["DATASET.NUM_SHOTS", "8", "DATASET.SUBSAMPLE_CLASSES", "base", "OPTIM.MAX_EPOCH"]
     argv += [str(epochs), "TRAIN.PRINT_FREQ", "1", "DATALOADER.NUM_WORKERS", str(workers)]
-    return argv + ["TEST.FEATURE_CACHE", "False"]
+    return argv + ["TEST.FEATURE_CACHE", "False", *opts]
 
 
 def make_run_data(root: str, device: str) -> None:
@@ -239,11 +240,18 @@ def run_costs(args) -> dict:
     import trainers  # noqa: F401
 
     device, tmp = args.device, tempfile.mkdtemp(prefix="sample-pl-runs-")
+    # the runs' caches (compiled graphs, recorded CLIP builds, ...) start empty: the first
+    # process is cold, the later ones warm
+    saved_cache = os.environ.get("SAMPLE_PL_CACHE")
+    os.environ["SAMPLE_PL_CACHE"] = osp.join(tmp, "cache")
+    opts = list(getattr(args, "run_opts", None) or [])
     try:
         root = osp.join(tmp, "data")
         make_run_data(root, device)
         workers = args.workers if args.workers is not None else 2
-        argv = partial(run_argv, root, device=device, epochs=args.run_epochs, workers=workers)
+        argv = partial(
+            run_argv, root, device=device, epochs=args.run_epochs, workers=workers, opts=opts
+        )
         out = partial(osp.join, tmp, "out")
         process = [process_run(argv(out(f"p{i}"), seed=1)) for i in range(args.run_repeats)]
         in_process_run(argv(out("warmup"), seed=1))  # imports and the checkpoint read paid
@@ -255,6 +263,10 @@ def run_costs(args) -> dict:
             packed[str(n)] = {"runs": len(runs), "wall_s": round(wall, 2),
                               "runs_per_hour": round(3600 * len(runs) / wall, 1)}  # fmt: skip
     finally:
+        if saved_cache is None:
+            os.environ.pop("SAMPLE_PL_CACHE", None)
+        else:
+            os.environ["SAMPLE_PL_CACHE"] = saved_cache
         shutil.rmtree(tmp, ignore_errors=True)
 
     def median(rows, key):
@@ -266,10 +278,17 @@ def run_costs(args) -> dict:
         "process": {k: median(process, k) for k in keys},
         "in_process": {k: median(inproc, k) for k in keys},
         "packed": packed,
+        # one by one: the first process with empty caches, the later ones warm; the first
+        # in-process run is a packed worker's second run (after the warm-up run)
+        "process_runs": [
+            {"caches": "cold" if i == 0 else "warm", **r} for i, r in enumerate(process)
+        ],
+        "in_process_runs": inproc,
     }
     result["run"] = (
         f"CoOp base classes, 8 shots, {args.run_epochs} epochs, {workers} loader workers, "
         + ("tiny CLIP, fp32, CPU" if device == "cpu" else "random ViT-B/16, fp16")
+        + (f", {' '.join(opts)}" if opts else "")
     )
     for name in ("process", "in_process"):
         r = result[name]
@@ -311,6 +330,16 @@ def print_run_costs(result: dict) -> None:
             f"{r['exit_s']:.2f} s (fixed {r['fixed_s']:.2f} s, wall {r['wall_s']:.2f} s; "
             f"compiled encoders' first calls {r['compile_s']:.2f} s)"
         )
+    for name, rows in (
+        ("process", result["process_runs"]),
+        ("in-process", result["in_process_runs"]),
+    ):
+        for i, r in enumerate(rows):
+            what = f"{r['caches']} caches" if "caches" in r else f"run {i + 2} of a worker"
+            print(
+                f"  {name} {i + 1} ({what}): first step at {r['to_first_step_s']:.2f} s, "
+                f"compile {r['compile_s']:.2f} s, wall {r['wall_s']:.2f} s"
+            )
     for n, p in result["packed"].items():
         print(f"{n} in-process worker(s): {p['runs']} runs in {p['wall_s']:.1f} s, "
               f"{p['runs_per_hour']:.0f} runs/hour")  # fmt: skip

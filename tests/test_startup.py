@@ -146,12 +146,23 @@ def test_a_run_leaves_no_worker_thread_or_handler_behind(tmp_path, tiny_clip_opt
     argv += ["TRAINER.COOP.PREC", "fp32"]
     out = run_python(
         f"""
-        import logging, multiprocessing, threading, time
+        import logging, multiprocessing, sys, threading, time
+        from torch.utils.data import dataloader
         import datasets, trainers
         from engine.runner import finish_process, run_in_process
+        # who stopped the loaders' workers: the run's end (engine.data.manager.shutdown_loaders)
+        # or a garbage collector's finaliser (DataLoader's __del__: the loader's queues may be
+        # finalised first, its workers then miss their stop message and end 5 s later)
+        stoppers, shutdown = [], dataloader._MultiProcessingDataLoaderIter._shutdown_workers
+        def recorded(self):
+            if not self._shutdown:
+                stoppers.append(sys._getframe(1).f_code.co_name)
+            shutdown(self)
+        dataloader._MultiProcessingDataLoaderIter._shutdown_workers = recorded
         assert run_in_process({argv!r}) == 0
         handlers = [h for h in logging.getLogger().handlers if getattr(h, "_engine_handler", 0)]
         joined = [t for t in threading.enumerate() if not t.daemon]  # exit waits for these
+        print(sorted(set(stoppers)))
         print(len(joined), len(multiprocessing.active_children()), len(handlers))
         t = time.time()
         finish_process(0)
@@ -160,5 +171,6 @@ def test_a_run_leaves_no_worker_thread_or_handler_behind(tmp_path, tiny_clip_opt
         tmp_path,
     )
     lines = out.strip().splitlines()
+    assert "__del__" not in lines[-3] and "shutdown_loader" in lines[-3]  # stopped at the run's end
     assert lines[-2] == "1 0 0"  # the main thread only, no loader worker, the run's log closed
     assert "* accuracy" in open(tmp_path / "out" / "log.txt").read()

@@ -329,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     runs.add_argument("--packed-runs", type=int, default=4, help="runs per throughput figure")
     runs.add_argument(
+        "--run-opts",
+        nargs="+",
+        metavar="KEY VALUE",
+        help="config options added to every measured run (e.g. MODEL.COMPILE default "
+        "INPUT.PIPELINE tensor_device)",
+    )
+    runs.add_argument(
         "--step-ms",
         type=lambda v: tuple(float(x) for x in v.split(",")),
         help="SGD,SAMPLe step in ms on the target device for the grid estimate (e.g. the CoOp "

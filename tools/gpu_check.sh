@@ -20,9 +20,16 @@
 #   efficient.json/.log  tools/benchmark.py --efficient --device cuda: the step of LookSAM,
 #                    SAMPLe-k5, ESAM, RWP, m-RWP, SAF, MESA (and SAM, SAMPLe) relative to SGD for
 #                    CoOp, CoCoOp, MaPLe, eager (EFFICIENT_LIMIT s, default 150)
+#   whole.json/.log, loader.json/.log  (issue 30, part "whole", about 5 minutes) a 1-epoch CoOp
+#                    run as a fresh train.py process with empty caches (compilation cold), again
+#                    (warm), and as the second run of a packed worker, MODEL.COMPILE
+#                    reduce-overhead and INPUT.PIPELINE tensor_device (tools/benchmark.py --runs
+#                    --run-opts); the loader pipelines with their device share on the GPU
+#                    (tools/benchmark.py --loader --device cuda); the step's demand is in steps.log
 #   nvidia-smi.txt
 # GPU_CHECK_PARTS picks parts (default "steps runs memory efficient", up to 16 minutes: more than
-# one device call allows, so give a call one or two parts, e.g. GPU_CHECK_PARTS=memory).
+# one device call allows, so give a call one or two parts, e.g. GPU_CHECK_PARTS=memory; "whole"
+# is not in the default: GPU_CHECK_PARTS=whole).
 # GPU_CHECK_SMALL=1 runs the same sequence on CPU with --small and tiny runs (a smoke test).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
@@ -37,11 +44,15 @@ if [[ ${GPU_CHECK_SMALL:-0} == 1 ]]; then
   EFF=(--small --device cpu --steps 1 --warmup 0)
   RUNS=(--device cpu --run-epochs 1 --run-repeats 1 --run-workers 1 --packed-runs 2)
   MEMORY=(--small --device cpu --memory-classes 20,40 --memory-chunk 10)
+  WHOLE=(--device cpu --run-workers 1 --packed-runs 2 --run-opts MODEL.COMPILE aot_eager)
+  LOADER=(--small --device cpu --steps 1)
 else
   STEPS=(--device cuda)
   EFF=(--device cuda --steps 5 --warmup 1 --compile off)
   RUNS=(--device cuda --run-workers 1,2,4,8)
   MEMORY=(--device cuda --memory-chunk 100)
+  WHOLE=(--device cuda --run-workers 1 --packed-runs 2 --run-opts MODEL.COMPILE reduce-overhead)
+  LOADER=(--device cuda)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 fi
 if [[ $PARTS == *" memory "* ]]; then
@@ -71,6 +82,17 @@ timeout "${RUNS_LIMIT:-200}" $PY tools/benchmark.py --runs "${RUNS[@]}" ${STEP_M
   --json "$OUT/runs.json" > "$OUT/runs.log" 2>&1
 echo "runs: exit $?"
 tail -n 30 "$OUT/steps.log" "$OUT/runs.log"
+fi
+if [[ $PARTS == *" whole "* ]]; then
+  timeout "${WHOLE_LIMIT:-240}" $PY tools/benchmark.py --runs "${WHOLE[@]}" \
+    INPUT.PIPELINE tensor_device --run-epochs 1 --run-repeats 2 \
+    --json "$OUT/whole.json" > "$OUT/whole.log" 2>&1
+  echo "whole: exit $?"
+  timeout "${LOADER_LIMIT:-90}" $PY tools/benchmark.py --loader "${LOADER[@]}" \
+    --json "$OUT/loader.json" > "$OUT/loader.log" 2>&1
+  echo "loader: exit $?"
+  tail -n 14 "$OUT/whole.log"
+  tail -n 26 "$OUT/loader.log"
 fi
 if [[ $PARTS == *" efficient "* ]]; then
   timeout "${EFFICIENT_LIMIT:-150}" $PY tools/benchmark.py --efficient "${EFF[@]}" \
