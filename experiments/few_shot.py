@@ -34,11 +34,9 @@ from experiments.protocols import (
     Setup,
     cfg_component,
     dataset_dir,
-    optim_config_file,
-    protocol_opts,
     run_tag,
     trainer_cfgs,
-    trainer_config_files,
+    training_run,
 )
 
 FEW_SHOTS = (1, 2, 4, 8, 16)  # CoOp's few-shot curve
@@ -119,21 +117,9 @@ def few_shot_chain(
     comp = cfg_component(cfg, optim, run_tag(setup.tag, variant, setup.repro))
     opts = ("DATASET.NUM_SHOTS", str(shots), "DATASET.SUBSAMPLE_CLASSES", "all")
     opts += trainer_protocol_opts(trainer, "few_shot", setup.plugins)
-    train = Run(
-        "few_shot",
-        "train",
-        trainer,
-        cfg,
-        optim,
-        dataset,
-        seed,
-        few_shot_dir(setup, dataset, trainer, comp, shots, seed),
-        trainer_config_files(trainer, cfg, dataset),
-        optim_config_file(trainer, optim),
-        protocol_opts=protocol_opts("train", *opts) + tuple(variant),
-        variant=tuple(variant),
-        repro=setup.repro,
-        shots=shots,
+    out = few_shot_dir(setup, dataset, trainer, comp, shots, seed)
+    train = training_run(
+        setup, "few_shot", trainer, cfg, optim, dataset, seed, out, opts, variant, shots=shots
     )
     return Chain(train)
 

@@ -424,6 +424,40 @@ def missing_files(run: Run) -> list[str]:
 
 
 # -- chains -----------------------------------------------------------------------------------
+def training_run(
+    setup: Setup,
+    protocol: str,
+    trainer: str,
+    cfg: str,
+    optim: str,
+    dataset: str,
+    seed: int,
+    out_dir: str,
+    opts: tuple[str, ...],
+    variant: tuple[str, ...] = (),
+    **fields,
+) -> Run:
+    """The training run of a chain: the trainer's config files, the optimizer's file, the
+    protocol's KEY VALUE ``opts`` then the sweep point's ``variant``, the setup's reproduction
+    mode (``fields``: other :class:`Run` attributes, e.g. ``shots``)."""
+    return Run(
+        protocol,
+        "train",
+        trainer,
+        cfg,
+        optim,
+        dataset,
+        seed,
+        out_dir,
+        trainer_config_files(trainer, cfg, dataset),
+        optim_config_file(trainer, optim),
+        protocol_opts=protocol_opts("train", *opts) + tuple(variant),
+        variant=tuple(variant),
+        repro=setup.repro,
+        **fields,
+    )
+
+
 def base2new_chain(
     setup: Setup, trainer: str, optim: str, dataset: str, seed: int, variant: tuple[str, ...] = ()
 ) -> Chain:
@@ -435,21 +469,9 @@ def base2new_chain(
     comp = cfg_component(cfg, optim, run_tag(setup.tag, variant, setup.repro))
     train_dir, test_dir = base2new_dirs(setup, dataset, trainer, comp, seed)
     shots = ("DATASET.NUM_SHOTS", str(setup.shots))
-    train = Run(
-        "base2new",
-        "train",
-        trainer,
-        cfg,
-        optim,
-        dataset,
-        seed,
-        train_dir,
-        trainer_config_files(trainer, cfg, dataset),
-        optim_config_file(trainer, optim),
-        protocol_opts=protocol_opts("train", *shots, "DATASET.SUBSAMPLE_CLASSES", "base")
-        + tuple(variant),
-        variant=tuple(variant),
-        repro=setup.repro,
+    opts = (*shots, "DATASET.SUBSAMPLE_CLASSES", "base")
+    train = training_run(
+        setup, "base2new", trainer, cfg, optim, dataset, seed, train_dir, opts, variant
     )
     test = replace(
         train,
@@ -478,21 +500,9 @@ def transfer_chain(
     comp = cfg_component(cfg, optim, run_tag(setup.tag, variant, setup.repro))
     train_dir, _ = transfer_dirs(setup, trainer, comp, seed, SOURCE_DATASET)
     protocol = targets[0][0] if targets else "cross_dataset"
-    train = Run(
-        protocol,
-        "train",
-        trainer,
-        cfg,
-        optim,
-        SOURCE_DATASET,
-        seed,
-        train_dir,
-        trainer_config_files(trainer, cfg, SOURCE_DATASET),
-        optim_config_file(trainer, optim),
-        protocol_opts=protocol_opts("train", "DATASET.NUM_SHOTS", str(setup.shots))
-        + tuple(variant),
-        variant=tuple(variant),
-        repro=setup.repro,
+    opts = ("DATASET.NUM_SHOTS", str(setup.shots))
+    train = training_run(
+        setup, protocol, trainer, cfg, optim, SOURCE_DATASET, seed, train_dir, opts, variant
     )
     evals = [
         replace(
