@@ -39,6 +39,7 @@ import torchvision.transforms.v2.functional as TF
 from torch.utils.data import default_collate, get_worker_info
 
 from .device_finish import DeviceFinish
+from .image_cache import cache_of, laid_out, memory_order
 
 # the training transforms that INPUT.PIPELINE tensor_device takes (random_resized_crop required)
 DEVICE_CROP_TRANSFORMS = ("random_resized_crop", "random_flip", "normalize")
@@ -120,8 +121,6 @@ def refer_cached(output: dict, img0: torch.Tensor, images, idx: int) -> None:
 def _resolve(source) -> torch.Tensor:
     """The crop that a reference ``(token, index, top, left)`` + shape names: a view of the
     cached image (no copy)."""
-    from .image_cache import cache_of
-
     (token, idx, top, left), (_, h, w) = source
     cache = cache_of(token)
     img = cache.get(idx) if cache is not None else None
@@ -132,12 +131,6 @@ def _resolve(source) -> torch.Tensor:
             "must be finished in the process that built its cache"
         )
     return img[:, top : top + h, left : left + w]
-
-
-def memory_order(x: torch.Tensor) -> tuple[int, ...]:
-    """The dimensions of ``x`` from the largest stride to the smallest: the order its elements
-    lie in memory (``(1, 2, 0)`` for a decoded image's ``[3, H, W]`` view of ``[H, W, 3]``)."""
-    return tuple(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
 
 
 class CropBatch:
@@ -190,11 +183,7 @@ class CropBatch:
         parts = flat.split([math.prod(shape) for shape, _ in kept])
         views = []
         for part, (shape, order) in zip(parts, kept):
-            if order is None:
-                views.append(part.view(shape))
-            else:  # laid out in ``order``, seen as ``shape``
-                back = [order.index(d) for d in range(len(order))]
-                views.append(part.view([shape[d] for d in order]).permute(back))
+            views.append(part.view(shape) if order is None else laid_out(part, shape, order))
         return views
 
     def images(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:

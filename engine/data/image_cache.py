@@ -58,16 +58,27 @@ def is_dense(tensor: torch.Tensor) -> bool:
     return tensor.numel() == span and all(step > 0 for step in tensor.stride())
 
 
+def memory_order(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``x`` from the largest stride to the smallest: the order its elements
+    lie in memory (``(1, 2, 0)`` for a decoded image's ``[3, H, W]`` view of ``[H, W, 3]``)."""
+    return tuple(sorted(range(x.ndim), key=lambda d: -x.stride(d)))
+
+
+def laid_out(part: torch.Tensor, shape, order) -> torch.Tensor:
+    """The 1-d ``part`` seen as ``shape``, its elements in memory in the dimension ``order``
+    (:func:`memory_order`)."""
+    back = [order.index(d) for d in range(len(order))]
+    return part.view([shape[d] for d in order]).permute(back)
+
+
 def place(flat: torch.Tensor, start: int, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` copied into ``flat[start:]`` with its own strides (a plain memory copy, and
     the pipelines see the same memory layout as the original's); a non-dense one is made
     contiguous first."""
     if not is_dense(tensor):
         tensor = tensor.contiguous()
-    order = sorted(range(tensor.ndim), key=lambda d: -tensor.stride(d))  # memory order
-    source = tensor.permute(order)  # contiguous
-    target = flat[start : start + tensor.numel()].view(source.shape).copy_(source)
-    return target.permute([order.index(d) for d in range(tensor.ndim)])
+    part = flat[start : start + tensor.numel()]
+    return laid_out(part, tensor.shape, memory_order(tensor)).copy_(tensor)
 
 
 SHM_RESERVE = 512 * 2**20  # shared memory left free for the loaders' batches

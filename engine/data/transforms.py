@@ -40,6 +40,7 @@ from torchvision.transforms.v2 import InterpolationMode
 from .device_crop import DeviceCropFinish, FlipFlag, RandomCropBox, check_device_crop_choices
 from .device_finish import DeviceFinish, ToFloat
 from .randaugment import RandAugment as DasslRandAugment
+from .validate import PIPELINES, PIPELINES_HELP  # INPUT.PIPELINE values (module docstring)
 
 INTERPOLATION_MODES = {
     "bilinear": InterpolationMode.BILINEAR,
@@ -47,8 +48,6 @@ INTERPOLATION_MODES = {
     "nearest": InterpolationMode.NEAREST,
 }
 
-# INPUT.PIPELINE values (see the module's docstring)
-PIPELINES = ("pil", "tensor", "tensor_device")
 
 # float-stage transforms that a worker must run itself (random, or per image); without them the
 # tensor pipeline's worker sends uint8 and the device normalises
@@ -169,9 +168,8 @@ def pipeline_of(cfg) -> str:
     pipeline = cfg.INPUT.get("PIPELINE", "pil")
     if pipeline not in PIPELINES:
         raise ValueError(
-            f"INPUT.PIPELINE must be one of {', '.join(PIPELINES)}, got {pipeline!r} (pil: "
-            "Dassl's PIL operations, exact; tensor: uint8 tensors normalised on the device; "
-            "tensor_device: tensor with the random resized crop's resize on the device)"
+            f"INPUT.PIPELINE must be one of {', '.join(PIPELINES)}, got {pipeline!r} "
+            f"({PIPELINES_HELP})"
         )
     return pipeline
 

@@ -17,6 +17,10 @@ SAMPLERS = ("RandomSampler", "SequentialSampler")
 SUBSAMPLES = ("all", "base", "new")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 PIPELINES = ("pil", "tensor", "tensor_device")  # INPUT.PIPELINE (engine/data/transforms.py)
+PIPELINES_HELP = (
+    "pil: Dassl's PIL operations, exact; tensor: uint8 tensors normalised on the device; "
+    "tensor_device: tensor with the random resized crop's resize on the device"
+)
 
 
 def is_template(text: str) -> bool:
@@ -83,9 +87,7 @@ def _problems(cfg) -> list[str]:
         pipeline in PIPELINES,
         "INPUT.PIPELINE",
         pipeline,
-        f"one of {PIPELINES} (pil: Dassl's PIL operations, exact; tensor: uint8 tensors "
-        "normalised on the device; tensor_device: tensor with the random resized crop's resize "
-        "on the device)",
+        f"one of {PIPELINES} ({PIPELINES_HELP})",
     )
     if pipeline == "tensor_device" and not inp.NO_TRANSFORM:
         from .device_crop import device_crop_problem
